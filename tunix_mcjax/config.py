@@ -1,0 +1,248 @@
+"""One config object for a run: YAML recipe plus `key=value` overrides, MaxText key names.
+
+Keys that MaxText has keep MaxText's name and meaning (`batch_size` is prompts per step,
+`max_target_length` is prompt + completion tokens). Everything is checked up front so that a
+bad recipe fails before any process touches a device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A recipe or override that cannot run; the message names the problem and the fix."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    # Run.
+    run_name: str = "run"
+    base_output_directory: str = "runs"
+    seed: int = 0
+    steps: int = 100
+    log_period: int = 1
+
+    # Model (MaxText `base_*` names for the shape of a tiny Qwen3; `model_name` picks presets).
+    model_name: str = "qwen3-tiny"
+    base_num_decoder_layers: int = 2
+    base_emb_dim: int = 64
+    base_mlp_dim: int = 128
+    base_num_query_heads: int = 4
+    base_num_kv_heads: int = 2
+    head_dim: int = 16
+    vocab_size: int = 0  # 0: taken from the tokenizer
+    rope_max_timescale: int = 10_000
+    dtype: str = "float32"
+    weight_dtype: str = "float32"
+    init_weights_seed: int = 0
+
+    # Tokenizer and data.
+    tokenizer_type: str = "char"  # char | huggingface
+    tokenizer_path: str = ""
+    dataset_name: str = "next_digit"  # a built-in task, or `gsm8k` with hf_train_files
+    hf_train_files: str = ""
+    reward_functions: tuple[str, ...] = ()  # empty: the task's default reward
+
+    # GRPO batch and lengths.
+    batch_size: int = 8  # prompts per step, global
+    num_generations: int = 8
+    max_prefill_predict_length: int = 8  # prompt budget (tokens)
+    max_target_length: int = 12  # prompt + completion budget (tokens)
+    ignore_eos: bool = False  # force every completion to its full budget (benchmarks)
+
+    # Sampling.
+    decode_sampling_strategy: str = "weighted"  # weighted | greedy
+    decode_sampling_temperature: float = 1.0
+    decode_sampling_top_k: int = 0  # 0: off
+    decode_sampling_nucleus_p: float = 1.0  # 1.0: off
+
+    # Rollout engine.
+    rollout_engine: str = "jax"
+    rollout_tensor_parallelism: int = 1
+    rollout_data_parallelism: int = -1  # -1: local devices / TP
+    rollout_continuous_batching: bool = True
+
+    # Optimizer (MaxText names).
+    learning_rate: float = 3e-3
+    warmup_steps_fraction: float = 0.0
+    adam_b1: float = 0.9
+    adam_b2: float = 0.99
+    adam_eps: float = 1e-8
+    adam_weight_decay: float = 0.0
+    gradient_clipping_threshold: float = 1.0
+
+    # GRPO loss (MaxText names; Tunix semantics).
+    grpo_beta: float = 0.0
+    grpo_epsilon: float = 0.2
+    loss_algo: str = "grpo"  # grpo | gspo-token
+    loss_agg_mode: str = "sequence-mean-token-mean"
+    advantage_estimator: str = "grpo"
+
+    # Runtime and the paper's optimizations O1-O4 (Appendix B).
+    rl_runtime: str = "mcjax"
+    rl_async_metrics_export: bool = False
+    rl_gc_freeze_after_warmup: bool = False
+    rl_balance_prompts_by_length: bool = False
+    rl_balance_by_expected_output: bool = False
+    rl_publish_weights_single_call: bool = False
+    rl_metrics_queue_size: int = 1024
+    collective_timeout_s: float = 300.0
+
+    # Derived sizes.
+    @property
+    def max_completion_length(self) -> int:
+        return self.max_target_length - self.max_prefill_predict_length
+
+    @property
+    def global_rows(self) -> int:
+        return self.batch_size * self.num_generations
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.base_output_directory) / self.run_name
+
+    def replace(self, **changes: Any) -> Config:
+        return load_config(None, overrides=changes, base=self)
+
+    def validate_topology(self, num_hosts: int, local_devices: int) -> None:
+        """Divisibility checks that need the cluster shape. Raises ConfigError."""
+        if self.batch_size % num_hosts:
+            raise ConfigError(
+                f"batch_size={self.batch_size} prompts per step does not divide by {num_hosts} "
+                f"hosts: every host needs whole GRPO groups. Use a multiple of {num_hosts}."
+            )
+        tp = self.rollout_tensor_parallelism
+        if local_devices % tp:
+            raise ConfigError(
+                f"rollout_tensor_parallelism={tp} does not divide the {local_devices} local "
+                f"devices of a host. Use a divisor of {local_devices}."
+            )
+        dp = self.rollout_data_parallelism
+        if dp != -1 and dp * tp > local_devices:
+            raise ConfigError(
+                f"rollout_data_parallelism={dp} x rollout_tensor_parallelism={tp} needs "
+                f"{dp * tp} devices but a host has {local_devices}."
+            )
+
+
+_FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+_CHOICES = {
+    "tokenizer_type": ("char", "huggingface"),
+    "decode_sampling_strategy": ("weighted", "greedy"),
+    "rollout_engine": ("jax",),
+    "loss_algo": ("grpo", "gspo-token"),
+    "loss_agg_mode": ("token-mean", "sequence-mean-token-mean"),
+    "advantage_estimator": ("grpo",),
+    "rl_runtime": ("mcjax", "single"),
+    "dtype": ("float32", "bfloat16"),
+    "weight_dtype": ("float32", "bfloat16"),
+}
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Checks one value against the field's type; ints widen to floats, lists to tuples."""
+    hint = typing.get_type_hints(Config)[key]
+    origin = typing.get_origin(hint)
+    if origin is tuple or hint is tuple:
+        if isinstance(value, str):
+            value = [v for v in value.split(",") if v]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{key} must be a list of strings, got {value!r}")
+        return tuple(value)
+    if isinstance(hint, types.UnionType):
+        hint = next(t for t in typing.get_args(hint) if t is not type(None))
+    if hint is bool:
+        if isinstance(value, bool):
+            return value
+    elif hint is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif hint is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif hint is str:
+        if isinstance(value, (str, int, float)) and not isinstance(value, bool):
+            return str(value)
+    raise ConfigError(
+        f"{key} must be {hint.__name__}, got {type(value).__name__} {value!r}. "
+        f"Example: {key}={_FIELDS[key].default!r}"
+    )
+
+
+def unknown_key_error(key: str) -> ConfigError:
+    close = difflib.get_close_matches(key, list(_FIELDS), n=3, cutoff=0.5)
+    hint = f" Did you mean: {', '.join(close)}?" if close else ""
+    return ConfigError(f"unknown config key {key!r}.{hint}")
+
+
+def parse_overrides(args: list[str]) -> dict[str, Any]:
+    """`key=value` strings to a dict; values are parsed as YAML scalars, as MaxText does."""
+    out: dict[str, Any] = {}
+    for arg in args:
+        if "=" not in arg:
+            raise ConfigError(f"override {arg!r} is not key=value")
+        key, raw = arg.split("=", 1)
+        out[key.strip()] = yaml.safe_load(raw) if raw.strip() else ""
+    return out
+
+
+def load_config(
+    path: str | Path | None,
+    overrides: dict[str, Any] | list[str] | None = None,
+    base: Config | None = None,
+) -> Config:
+    """Builds a Config from a YAML file (or `base`) and overrides, then validates it."""
+    values: dict[str, Any] = dataclasses.asdict(base) if base else {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"recipe {path} not found")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"recipe {path} must be a YAML mapping of key: value")
+        values.update(loaded)
+    if isinstance(overrides, list):
+        overrides = parse_overrides(overrides)
+    values.update(overrides or {})
+    for key in values:
+        if key not in _FIELDS:
+            raise unknown_key_error(key)
+    cfg = Config(**{k: _coerce(k, v) for k, v in values.items()})
+    _validate(cfg)
+    return cfg
+
+
+def _validate(cfg: Config) -> None:
+    for key, choices in _CHOICES.items():
+        if getattr(cfg, key) not in choices:
+            raise ConfigError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(choices)}")
+    positive = ("steps", "batch_size", "num_generations", "max_prefill_predict_length",
+                "rollout_tensor_parallelism", "rl_metrics_queue_size")
+    for key in positive:
+        if getattr(cfg, key) <= 0:
+            raise ConfigError(f"{key} must be > 0, got {getattr(cfg, key)}")
+    if cfg.max_completion_length <= 0:
+        raise ConfigError(
+            f"completion budget max_target_length - max_prefill_predict_length = "
+            f"{cfg.max_target_length} - {cfg.max_prefill_predict_length} = "
+            f"{cfg.max_completion_length} must be > 0. Raise max_target_length."
+        )
+    if cfg.num_generations < 2:
+        raise ConfigError("num_generations must be >= 2: GRPO advantages need a group")
+    if cfg.decode_sampling_temperature <= 0 and cfg.decode_sampling_strategy != "greedy":
+        raise ConfigError("decode_sampling_temperature must be > 0 (or use "
+                          "decode_sampling_strategy=greedy)")
+    if not 0 < cfg.decode_sampling_nucleus_p <= 1:
+        raise ConfigError("decode_sampling_nucleus_p must be in (0, 1]")
+    if cfg.base_num_query_heads % cfg.base_num_kv_heads:
+        raise ConfigError("base_num_query_heads must be a multiple of base_num_kv_heads")
+    if cfg.tokenizer_type == "huggingface" and not cfg.tokenizer_path:
+        raise ConfigError("tokenizer_type=huggingface needs tokenizer_path=<dir with tokenizer>")

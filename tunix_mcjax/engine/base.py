@@ -1,0 +1,58 @@
+"""The per-host rollout engine interface. An engine only ever touches its host's devices."""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import numpy as np
+
+FinishReason = Literal["eos", "stop", "length"]
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """How to sample. `greedy` (or top_k=1) picks argmax; top_k=0 and top_p=1.0 are off."""
+
+    max_new_tokens: int
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Completion:
+    """One generated sequence: sampled tokens (stop token included), their logprobs, why it ended."""
+
+    tokens: np.ndarray  # int32 [n]
+    logprobs: np.ndarray  # float32 [n], log p(token) under the sampling distribution's logits
+    finish_reason: FinishReason
+
+
+class Engine(abc.ABC):
+    """Generates completions on local devices and takes new weights between steps."""
+
+    @abc.abstractmethod
+    def generate(
+        self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams, seed: int
+    ) -> list[Completion]:
+        """Completions in request order. Same (requests, sampling, seed) -> same output."""
+
+    @abc.abstractmethod
+    def load_weights(self, params: Any) -> None:
+        """Takes a (possibly partial) Tunix Qwen3 param tree as a nested dict of arrays.
+
+        Leaves may be numpy arrays or jax Arrays replicated over this host's devices (a global
+        fully-replicated array works: each device's addressable shard is used in place).
+        Leaves absent from `params` keep their current value.
+        """
+
+    @property
+    @abc.abstractmethod
+    def compile_count(self) -> int:
+        """How many programs the engine has compiled so far."""

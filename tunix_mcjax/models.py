@@ -1,0 +1,64 @@
+"""Qwen3 model configs and random-init construction (Tunix `tunix.models.qwen3`)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from tunix.models.qwen3 import model as qwen3
+
+from tunix_mcjax.config import Config, ConfigError
+
+PRESETS = {
+    "qwen3-0.6b": qwen3.ModelConfig.qwen3_0p6b,
+    "qwen3-1.7b": qwen3.ModelConfig.qwen3_1p7b,
+    "qwen3-4b": qwen3.ModelConfig.qwen3_4b,
+    "qwen3-8b": qwen3.ModelConfig.qwen3_8b,
+}
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def model_config(cfg: Config, vocab_size: int, *, for_sampling: bool = False) -> qwen3.ModelConfig:
+    """The Tunix ModelConfig for `cfg.model_name` (`qwen3-tiny` reads the `base_*` keys)."""
+    sharding = qwen3.ShardingConfig.get_default_sharding(is_sampling=for_sampling)
+    dtypes = {"dtype": DTYPES[cfg.dtype], "param_dtype": DTYPES[cfg.weight_dtype]}
+    if cfg.model_name == "qwen3-tiny":
+        return qwen3.ModelConfig(
+            num_layers=cfg.base_num_decoder_layers,
+            vocab_size=cfg.vocab_size or vocab_size,
+            embed_dim=cfg.base_emb_dim,
+            hidden_dim=cfg.base_mlp_dim,
+            num_heads=cfg.base_num_query_heads,
+            head_dim=cfg.head_dim,
+            num_kv_heads=cfg.base_num_kv_heads,
+            rope_theta=cfg.rope_max_timescale,
+            norm_eps=1e-6,
+            use_tied_embedding=True,
+            shd_config=sharding,
+            **dtypes,
+        )
+    if cfg.model_name not in PRESETS:
+        raise ConfigError(
+            f"model_name={cfg.model_name!r} is not supported; use qwen3-tiny or one of "
+            f"{', '.join(PRESETS)}"
+        )
+    base = PRESETS[cfg.model_name]()
+    return dataclasses.replace(base, shd_config=sharding, **dtypes)
+
+
+def create_model(mc: qwen3.ModelConfig, seed: int, mesh: jax.sharding.Mesh | None = None):
+    """Random-init Qwen3. With `mesh`, params are created sharded by the model's own specs."""
+    if mesh is None:
+        return qwen3.Qwen3(mc, rngs=nnx.Rngs(seed))
+
+    @nnx.jit
+    def make():
+        model = qwen3.Qwen3(mc, rngs=nnx.Rngs(seed))
+        state = nnx.state(model)
+        nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
+        return model
+
+    with jax.set_mesh(mesh):
+        return make()
