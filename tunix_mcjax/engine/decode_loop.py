@@ -1,0 +1,193 @@
+"""The on-device generation program: batched prefill, then a `lax.while_loop` of decode steps.
+
+The batch has `num_slots` rows. With `num_requests > num_slots` (continuous batching) a row whose
+sequence ends takes the next waiting request in the same loop iteration: that request is
+prefilled alone into the row's cache, so the whole share decodes as one batch without waves.
+The loop stops as soon as no row is active and no request waits.
+
+Randomness is per request and token: token j of request i uses
+`fold_in(fold_in(key, first_request_index + i), j)`, so a request's sample does not depend on
+its batch, its row or when it was admitted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from tunix.models.qwen3.model import ModelConfig
+
+from tunix_mcjax.engine import qwen3_forward as fwd
+from tunix_mcjax.engine.sampling import SamplerSpec, sample
+
+
+@dataclasses.dataclass(frozen=True)
+class ProgramShape:
+    """Static shapes of one compiled program (all powers of two or engine caps)."""
+
+    num_requests: int
+    num_slots: int
+    prompt_len: int
+    max_new: int
+
+    @property
+    def cache_len(self) -> int:
+        return self.prompt_len + self.max_new
+
+
+@dataclasses.dataclass(frozen=True)
+class Inputs:
+    """Per-call device inputs of the program (everything dynamic)."""
+
+    prompts: jax.Array  # int32 [N, prompt_len], right-padded
+    prompt_lens: jax.Array  # int32 [N]; 0 marks a padding request (only at the end)
+    key: jax.Array  # PRNGKey of the replica
+    first_request_index: jax.Array  # int32, index of request 0 in the replica's share
+    temperature: jax.Array  # float32
+    top_p: jax.Array  # float32
+    stop_ids: jax.Array  # int32 [K], -1 padded: tokens that end a sequence
+    max_new_tokens: jax.Array  # int32
+
+
+jax.tree_util.register_dataclass(Inputs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Outputs:
+    tokens: jax.Array  # int32 [N, max_new]
+    logprobs: jax.Array  # float32 [N, max_new]
+    lengths: jax.Array  # int32 [N]
+    iterations: jax.Array  # int32: decode iterations the loop ran
+
+
+jax.tree_util.register_dataclass(Outputs)
+
+
+def build_program(
+    cfg: ModelConfig,
+    shape: ProgramShape,
+    spec: SamplerSpec,
+    pad_id: int,
+    mesh: jax.sharding.Mesh,
+) -> Callable[[Any, Inputs], Outputs]:
+    """The pure function `(params, inputs) -> outputs` for one shape; jit it over `mesh`."""
+    n, b = shape.num_requests, shape.num_slots
+    continuous = n > b
+    cache_sharding = NamedSharding(mesh, P("data", None, "tp", None))
+
+    def key_for(inp: Inputs, request: jax.Array, token_index: jax.Array) -> jax.Array:
+        request_key = jax.random.fold_in(inp.key, inp.first_request_index + request)
+        return jax.random.fold_in(request_key, token_index)
+
+    def draw(logits, inp, requests, counts):
+        keys = jax.vmap(key_for, in_axes=(None, 0, 0))(inp, requests, counts)
+        return sample(spec, logits, keys, inp.temperature, inp.top_p, pad_id)
+
+    def ends(inp: Inputs, tokens: jax.Array, counts: jax.Array) -> jax.Array:
+        stops = jnp.any(tokens[:, None] == inp.stop_ids[None, :], axis=-1)
+        return stops | (counts >= inp.max_new_tokens)
+
+    def record(state, requests, counts, tokens, logprobs, valid):
+        rows = jnp.where(valid, requests, n)  # out of bounds: dropped
+        state["out_tokens"] = state["out_tokens"].at[rows, counts].set(tokens, mode="drop")
+        state["out_logprobs"] = state["out_logprobs"].at[rows, counts].set(logprobs, mode="drop")
+        state["out_lengths"] = state["out_lengths"].at[rows].set(counts + 1, mode="drop")
+        return state
+
+    def initial_state(params, inp: Inputs) -> dict[str, Any]:
+        prompts, lens = inp.prompts[:b], inp.prompt_lens[:b]
+        logits, kv = fwd.prefill(cfg, params, prompts, jnp.maximum(lens, 1))
+        pad = ((0, 0), (0, shape.max_new), (0, 0), (0, 0))
+        cache = [
+            tuple(jax.lax.with_sharding_constraint(jnp.pad(x, pad), cache_sharding) for x in kv_i)
+            for kv_i in kv
+        ]
+        requests = jnp.arange(b, dtype=jnp.int32)
+        zeros = jnp.zeros((b,), jnp.int32)
+        tokens, logprobs = draw(logits, inp, requests, zeros)
+        real = lens > 0
+        state = {
+            "cache": cache,
+            "requests": requests,
+            "counts": zeros + 1,
+            "tokens": tokens,
+            "positions": lens,
+            "active": real & ~ends(inp, tokens, zeros + 1),
+            "next_request": jnp.int32(b),
+            "iterations": jnp.int32(0),
+            "out_tokens": jnp.zeros((n, shape.max_new), jnp.int32),
+            "out_logprobs": jnp.zeros((n, shape.max_new), jnp.float32),
+            "out_lengths": jnp.zeros((n,), jnp.int32),
+        }
+        return record(state, requests, zeros, tokens, logprobs, real)
+
+    def admit_one(params, inp: Inputs, state):
+        """Prefill the next waiting request into the first free row and sample its first token."""
+        slot = jnp.argmin(state["active"])
+        request = state["next_request"]
+        prompt = jax.lax.dynamic_slice_in_dim(inp.prompts, request, 1)
+        length = jax.lax.dynamic_slice_in_dim(inp.prompt_lens, request, 1)
+        logits, kv = fwd.prefill(cfg, params, prompt, length)
+        state["cache"] = [
+            tuple(
+                jax.lax.dynamic_update_slice(c, x, (slot, 0, 0, 0))
+                for c, x in zip(cache_i, kv_i, strict=True)
+            )
+            for cache_i, kv_i in zip(state["cache"], kv, strict=True)
+        ]
+        zero = jnp.zeros((1,), jnp.int32)
+        token, logprob = draw(logits, inp, request[None], zero)
+        state = record(state, request[None], zero, token, logprob, jnp.ones((1,), bool))
+        state["requests"] = state["requests"].at[slot].set(request)
+        state["counts"] = state["counts"].at[slot].set(1)
+        state["tokens"] = state["tokens"].at[slot].set(token[0])
+        state["positions"] = state["positions"].at[slot].set(length[0])
+        state["active"] = state["active"].at[slot].set(~ends(inp, token, zero + 1)[0])
+        state["next_request"] = request + 1
+        return state
+
+    def admit_waiting(params, inp: Inputs, state):
+        num_real = jnp.sum(inp.prompt_lens > 0)
+
+        def has_room(s):
+            return jnp.any(~s["active"]) & (s["next_request"] < num_real)
+
+        return jax.lax.while_loop(has_room, lambda s: admit_one(params, inp, s), state)
+
+    def decode_iteration(params, inp: Inputs, state):
+        logits, state["cache"] = fwd.decode_step(
+            cfg, params, state["cache"], state["tokens"], state["positions"]
+        )
+        active, counts = state["active"], state["counts"]
+        tokens, logprobs = draw(logits, inp, state["requests"], counts)
+        state = record(state, state["requests"], counts, tokens, logprobs, active)
+        counts = counts + active
+        state["counts"] = counts
+        state["tokens"] = tokens
+        state["positions"] = state["positions"] + 1
+        state["active"] = active & ~ends(inp, tokens, counts)
+        state["iterations"] = state["iterations"] + 1
+        if continuous:
+            state = admit_waiting(params, inp, state)
+        return state
+
+    def program(params, inp: Inputs) -> Outputs:
+        state = initial_state(params, inp)
+        if continuous:
+            state = admit_waiting(params, inp, state)
+        state = jax.lax.while_loop(
+            lambda s: jnp.any(s["active"]), lambda s: decode_iteration(params, inp, s), state
+        )
+        return Outputs(
+            tokens=state["out_tokens"],
+            logprobs=state["out_logprobs"],
+            lengths=state["out_lengths"],
+            iterations=state["iterations"],
+        )
+
+    return program
