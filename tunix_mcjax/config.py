@@ -50,6 +50,7 @@ class Config:
     dataset_name: str = "next_digit"  # a built-in task, or `gsm8k` with hf_train_files
     hf_train_files: str = ""
     reward_functions: tuple[str, ...] = ()  # empty: the task's default reward
+    data_repeat_period: int = 0  # >0: batches of steps 0..N-1 repeat (benchmark protocol)
 
     # GRPO batch and lengths.
     batch_size: int = 8  # prompts per step, global

@@ -1,0 +1,127 @@
+"""Start H local processes of a run (CPU/dev): `python -m tunix_mcjax.launch --hosts H ...`.
+
+Each process is a real JAX controller: `jax.distributed.initialize` against a coordinator on
+127.0.0.1 (a free port), gloo CPU collectives, and D forced host-platform devices. Output is
+streamed with a `[host i]` prefix. If any process fails, the others are stopped and the launcher
+exits non-zero, naming the host and its exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+from tunix_mcjax.config import ConfigError, load_config
+
+GRACE_S = 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def host_env(host: int, hosts: int, devices: int, port: int) -> dict[str, str]:
+    env = dict(os.environ)
+    flags = [f for f in env.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    env.update(
+        XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
+        JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
+        PYTHONUNBUFFERED="1",
+        TUNIX_MCJAX_COORDINATOR=f"127.0.0.1:{port}",
+        TUNIX_MCJAX_NUM_PROCESSES=str(hosts),
+        TUNIX_MCJAX_PROCESS_ID=str(host),
+    )
+    return env
+
+
+def _stream(host: int, proc: subprocess.Popen) -> None:
+    for line in proc.stdout:
+        sys.stdout.write(f"[host {host}] {line}")
+        sys.stdout.flush()
+
+
+def supervise(procs: list[subprocess.Popen]) -> int:
+    """Waits for all; on the first failure stops the rest and returns its exit code."""
+    while True:
+        codes = [p.poll() for p in procs]
+        failed = [(h, c) for h, c in enumerate(codes) if c not in (None, 0)]
+        if failed:
+            host, code = failed[0]
+            print(f"launch: host {host} exited with code {code}; stopping the other hosts",
+                  file=sys.stderr, flush=True)
+            stop(procs)
+            return code if code > 0 else 128 - code
+        if all(c == 0 for c in codes):
+            return 0
+        time.sleep(0.2)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + GRACE_S
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+def launch(recipe: str, overrides: list[str], hosts: int, devices: int,
+           module: str = "tunix_mcjax.run") -> int:
+    port = free_port()
+    procs = []
+    for h in range(hosts):
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", module, recipe, *overrides],
+            env=host_env(h, hosts, devices, port), stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True))
+    streams = [threading.Thread(target=_stream, args=(h, p), daemon=True)
+               for h, p in enumerate(procs)]
+    for t in streams:
+        t.start()
+    try:
+        code = supervise(procs)
+    except KeyboardInterrupt:
+        stop(procs)
+        code = 130
+    for t in streams:
+        t.join(timeout=5)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tunix_mcjax.launch", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", type=int, default=2, help="processes to start (default 2)")
+    parser.add_argument("--devices-per-host", type=int, default=2,
+                        help="CPU devices per process (default 2)")
+    parser.add_argument("recipe", help="YAML recipe, e.g. recipes/cpu/demo.yml")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parser.parse_args(argv)
+    if args.hosts < 1 or args.devices_per_host < 1:
+        parser.error("--hosts and --devices-per-host must be >= 1")
+    try:
+        cfg = load_config(args.recipe, args.overrides)
+        cfg.validate_topology(args.hosts, args.devices_per_host)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    print(f"launch: {args.hosts} hosts x {args.devices_per_host} devices, run "
+          f"{cfg.run_dir}", flush=True)
+    return launch(args.recipe, args.overrides, args.hosts, args.devices_per_host)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

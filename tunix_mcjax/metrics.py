@@ -1,0 +1,140 @@
+"""Phase timers, per-step records, JSONL export, and O1's background exporter."""
+
+from __future__ import annotations
+
+import json
+import queue
+import sys
+import threading
+import time
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+PHASES = ("admit", "generate", "reward", "pack", "train", "publish")
+
+# The per-host numbers every host sends to host 0 for the global step record, in this order.
+HOST_FIELDS = (
+    "step_s", *(f"{p}_s" for p in PHASES), "reward_sum", "correct_sum", "completions",
+    "completion_tokens", "completion_len_max", "truncated", "prompt_tokens", "prompts",
+    "compiled",
+)
+
+
+class PhaseTimer:
+    """Wall time per phase of one step (`with timer.phase("train"): ...`)."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+        self._start = time.perf_counter()
+
+    @contextmanager
+    def phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+    def total(self) -> float:
+        return time.perf_counter() - self._start
+
+
+def host_vector(record: dict) -> np.ndarray:
+    return np.array([float(record[k]) for k in HOST_FIELDS], dtype=np.float64)
+
+
+def global_record(step: int, per_host: np.ndarray, prompt_indices: list[int]) -> dict:
+    """Host 0's view of a step from every host's `host_vector` ([num_hosts, len(HOST_FIELDS)])."""
+    h = {k: per_host[:, i] for i, k in enumerate(HOST_FIELDS)}
+    completions = max(h["completions"].sum(), 1.0)
+    return {
+        "step": step,
+        "step_s": float(h["step_s"].max()),
+        "phase_s": {p: float(h[f"{p}_s"][0]) for p in PHASES},
+        "generate_max_s": float(h["generate_s"].max()),
+        "generate_mean_s": float(h["generate_s"].mean()),
+        "reward_mean": float(h["reward_sum"].sum() / completions),
+        "accuracy": float(h["correct_sum"].sum() / completions),
+        "prompt_indices": prompt_indices,
+        "prompt_tokens_mean": float(h["prompt_tokens"].sum() / max(h["prompts"].sum(), 1.0)),
+        "completion_len_mean": float(h["completion_tokens"].sum() / completions),
+        "completion_len_max": int(h["completion_len_max"].max()),
+        "truncated_frac": float(h["truncated"].sum() / completions),
+        "tokens_generated": int(h["completion_tokens"].sum()),
+        "compiled": bool(h["compiled"].max() > 0),
+    }
+
+
+def progress_line(rec: dict) -> str:
+    phases = " ".join(f"{p}={rec['phase_s'][p]:.2f}" for p in PHASES)
+    return (f"step {rec['step']:4d} | reward {rec['reward_mean']:.3f} | acc "
+            f"{rec['accuracy']:.3f} | {rec['step_s']:.2f}s | {phases}")
+
+
+class JsonlSink:
+    """Appends records as JSON lines to one file."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._file = path.open("a")
+
+    def __call__(self, record: dict) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Exporter:
+    """Sends records to a sink: inline, or (O1) through a bounded queue and one thread.
+
+    A full queue is reported on stderr and the record is then written inline: never dropped,
+    never a silent stall. `close()` flushes everything queued, also after an error.
+    """
+
+    def __init__(self, sink: Callable[[dict], None], background: bool, queue_size: int = 1024):
+        self.sink = sink
+        self.background = background
+        self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
+        self._error: BaseException | None = None
+        self._thread = None
+        if background:
+            self._thread = threading.Thread(target=self._drain, daemon=True, name="metrics")
+            self._thread.start()
+
+    def export(self, record: dict) -> None:
+        if self._error is not None:
+            raise RuntimeError("metrics exporter thread failed") from self._error
+        if not self.background:
+            self.sink(record)
+            return
+        try:
+            self._queue.put_nowait(record)
+        except queue.Full:
+            print(f"metrics queue full ({self._queue.maxsize} records): writing inline; "
+                  "raise rl_metrics_queue_size or use a faster sink", file=sys.stderr, flush=True)
+            self.sink(record)
+
+    def _drain(self) -> None:
+        while True:
+            record = self._queue.get()
+            try:
+                if record is None:
+                    return
+                self.sink(record)
+            except BaseException as e:  # surfaced to the step thread on its next export
+                self._error = e
+            finally:
+                self._queue.task_done()
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            raise RuntimeError("metrics exporter thread failed") from self._error

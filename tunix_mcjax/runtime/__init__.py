@@ -1,0 +1,1 @@
+"""Step loops: colocated (LoCoJAX-CO) and disaggregated (LoCoJAX-DA)."""

@@ -1,0 +1,343 @@
+"""LoCoJAX-CO: the colocated step loop (paper Algorithm 1), run by every host's own process.
+
+Per step, on host h of H: admit this host's whole GRPO groups, generate on the host's engine,
+score and compute group advantages locally, pack rows (hosts agree on rows per device K with one
+tiny all-gather), one global FSDP update, publish the new weights into the local engine.
+`rl_runtime=single` runs the same step in one process with one lockstep engine over all devices:
+the single-controller (Pathways) structure, built from the same parts, as a benchmark arm.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import numpy as np
+
+from tunix_mcjax import admission, metrics, models, packing, rewards, topology
+from tunix_mcjax.config import Config, ConfigError
+from tunix_mcjax.engine import Completion, Engine, SamplingParams
+from tunix_mcjax.publish import Publisher
+from tunix_mcjax.tasks import Task, load_task
+from tunix_mcjax.tokenizer import load_tokenizer
+from tunix_mcjax.trainer import Policy, Trainer, loss_weights, qwen3_policy
+
+EngineFactory = Callable[..., Engine]
+
+
+def sampling_params(cfg: Config, eos_id: int) -> SamplingParams:
+    return SamplingParams(
+        max_new_tokens=cfg.max_completion_length,
+        temperature=cfg.decode_sampling_temperature,
+        top_k=cfg.decode_sampling_top_k,
+        top_p=cfg.decode_sampling_nucleus_p,
+        greedy=cfg.decode_sampling_strategy == "greedy",
+        stop_token_ids=(eos_id,),
+        ignore_eos=cfg.ignore_eos,
+    )
+
+
+def rollout_seed(seed: int, step: int, host: int) -> int:
+    """A distinct sampling seed per (run seed, step, host); the engine folds in the replica."""
+    return int(np.random.SeedSequence([seed, step, host]).generate_state(1)[0] >> 1)
+
+
+def tokenize_prompts(tokenizer, prompts: list[str], max_len: int) -> list[np.ndarray]:
+    """Token ids per prompt (BOS first when the tokenizer has one); rejects over-long prompts."""
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    out = []
+    for i, text in enumerate(prompts):
+        ids = np.asarray(bos + tokenizer.encode(text, add_special_tokens=False), np.int32)
+        if len(ids) > max_len:
+            raise ConfigError(
+                f"prompt {i} has {len(ids)} tokens, over max_prefill_predict_length={max_len}. "
+                "Raise max_prefill_predict_length or drop long prompts from the dataset.")
+        out.append(ids)
+    return out
+
+
+def default_engine(cfg: Config, model_config, devices, pad_id: int, eos_id: int) -> Engine:
+    from tunix_mcjax.engine.jax_engine import JaxEngine
+
+    return JaxEngine(
+        model_config, devices, pad_id=pad_id, eos_id=eos_id,
+        max_prompt_length=cfg.max_prefill_predict_length,
+        max_new_tokens=cfg.max_completion_length,
+        tensor_parallelism=cfg.rollout_tensor_parallelism,
+        continuous_batching=cfg.rollout_continuous_batching,
+        lockstep=cfg.rl_runtime == "single",
+    )
+
+
+class ColocatedRuntime:
+    """One host's controller: owns its engine, its share of the batch, its metrics."""
+
+    def __init__(self, cfg: Config, topo: topology.Topology,
+                 policy: tuple[Policy, object] | None = None,
+                 engine_factory: EngineFactory = default_engine):
+        cfg.validate_topology(topo.num_hosts, len(topo.local_devices))
+        self.cfg, self.topo = cfg, topo
+        self.tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
+        self.pad_id = self.tokenizer.pad_token_id
+        self.eos_id = self.tokenizer.eos_token_id
+        self.task: Task = load_task(cfg)
+        self.reward_fns = rewards.resolve_reward_fns(cfg.reward_functions, self.task)
+        self.prompt_tokens = tokenize_prompts(self.tokenizer, self.task.prompts,
+                                              cfg.max_prefill_predict_length)
+        self.prompt_lengths = np.array([len(t) for t in self.prompt_tokens])
+        self.output_len_sum = np.zeros(len(self.prompt_tokens))  # for O3's expected output
+        self.output_len_count = np.zeros(len(self.prompt_tokens))
+
+        self.mesh = topology.trainer_mesh(topo)
+        vocab = len(self.tokenizer)
+        if policy is None:
+            model = models.create_model(models.model_config(cfg, vocab), cfg.init_weights_seed,
+                                        self.mesh)
+            policy = qwen3_policy(model)
+        self.trainer = Trainer(cfg, policy[0], policy[1], self.mesh)
+        self.engine = engine_factory(cfg, models.model_config(cfg, vocab, for_sampling=True),
+                                     list(topo.local_devices), self.pad_id, self.eos_id)
+        self.publisher = Publisher(self.mesh, cfg.rl_publish_weights_single_call)
+        self.watchdog = topology.Watchdog(topo.host, cfg.collective_timeout_s)
+        self.sampling = sampling_params(cfg, self.eos_id)
+        with self.watchdog.guard("publish"):
+            self.publisher.publish(self.trainer.engine_params(), self.engine)
+
+        self.run_dir = cfg.run_dir
+        self.host_log = metrics.JsonlSink(self.run_dir / f"host_{topo.host}.jsonl")
+        self.step_log = metrics.JsonlSink(self.run_dir / "steps.jsonl") if topo.is_leader else None
+        self.exporter = metrics.Exporter(self._export, cfg.rl_async_metrics_export,
+                                         cfg.rl_metrics_queue_size)
+        self.step_records: list[dict] = []
+        self._pending: tuple[int, dict] | None = None  # last step's host record, not yet global
+        self._step_start: dict[int, float] = {}
+        self._compiles = self._compile_count()
+
+    # --- phases ----------------------------------------------------------------------------
+
+    def admit(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(global batch indices, this host's dataset indices), whole groups only."""
+        cfg = self.cfg
+        global_idx = admission.global_prompt_indices(
+            len(self.prompt_tokens), cfg.batch_size, cfg.seed, step, cfg.data_repeat_period)
+        expected = None
+        if cfg.rl_balance_by_expected_output:
+            seen = self.output_len_count[global_idx]
+            mean = self.output_len_sum[global_idx] / np.maximum(seen, 1)
+            expected = np.where(seen > 0, mean, cfg.max_completion_length / 2)
+        positions = admission.host_prompt_positions(
+            self.topo.num_hosts, self.topo.host, self.prompt_lengths[global_idx],
+            cfg.rl_balance_prompts_by_length, expected, cfg.num_generations)
+        return global_idx, global_idx[positions]
+
+    def generate(self, step: int, local_idx: np.ndarray) -> list[Completion]:
+        g = self.cfg.num_generations
+        requests = [self.prompt_tokens[i] for i in local_idx for _ in range(g)]
+        return self.engine.generate(requests, self.sampling,
+                                    rollout_seed(self.cfg.seed, step, self.topo.host))
+
+    def score(self, local_idx: np.ndarray, completions: list[Completion]):
+        g = self.cfg.num_generations
+        expanded = [i for i in local_idx for _ in range(g)]
+        stop = set(self.sampling.stop_token_ids)
+        texts = self.tokenizer.batch_decode(
+            [[t for t in c.tokens if t not in stop] for c in completions],
+            skip_special_tokens=True)
+        prompts = [self.task.prompts[i] for i in expanded]
+        fields = {k: [v[i] for i in expanded] for k, v in self.task.fields.items()}
+        reward = rewards.score(self.reward_fns, prompts, texts, fields)
+        correct = np.asarray(self.task.accuracy_fn(prompts=prompts, completions=texts, **fields))
+        return reward, correct, rewards.group_advantages(reward, g)
+
+    def pack(self, local_idx, completions, advantages, sync_payload: np.ndarray):
+        """Local rows padded to the agreed K; also all-gathers `sync_payload` (O1 metrics)."""
+        g = self.cfg.num_generations
+        seqs = [
+            packing.Sequence(self.prompt_tokens[local_idx[j // g]], c.tokens,
+                             float(advantages[j]), c.logprobs)
+            for j, c in enumerate(completions)
+        ]
+        rows = packing.pack(seqs, self.cfg.max_target_length, self.pad_id)
+        counts = np.array([rows.num_rows, len(seqs), sum(len(c.tokens) for c in completions)],
+                          np.float64)
+        with self.watchdog.guard("pack"):
+            gathered = topology.allgather(np.concatenate([counts, sync_payload]))
+        k = packing.rows_per_device(gathered[:, 0].astype(int).tolist(),
+                                    len(self.topo.local_devices))
+        rows = packing.pad_rows(rows, k * len(self.topo.local_devices), self.pad_id)
+        weights = loss_weights(rows, self.cfg.loss_agg_mode, int(gathered[:, 1].sum()),
+                               int(gathered[:, 2].sum()))
+        local = {f: getattr(rows, f) for f in ("tokens", "positions", "segment_ids", "targets",
+                                               "loss_mask", "advantages", "old_logps")}
+        local["weights"] = weights.astype(np.float32)
+        return local, gathered[:, 3:]
+
+    # --- the step --------------------------------------------------------------------------
+
+    def step(self, step: int) -> None:
+        cfg, timer = self.cfg, metrics.PhaseTimer()
+        self._step_start[step] = time.perf_counter()
+        with timer.phase("admit"):
+            global_idx, local_idx = self.admit(step)
+        with timer.phase("generate"):
+            completions = self.generate(step, local_idx)
+        with timer.phase("reward"):
+            reward, correct, advantages = self.score(local_idx, completions)
+        with timer.phase("pack"):
+            payload = self._pending_payload() if cfg.rl_async_metrics_export else np.zeros(0)
+            local, prev_hosts = self.pack(local_idx, completions, advantages, payload)
+        if cfg.rl_async_metrics_export and self._pending is not None:
+            self._emit_global(prev_hosts)
+        with timer.phase("train"), self.watchdog.guard("train"):
+            train_metrics = self.trainer.step(local)
+        with timer.phase("publish"), self.watchdog.guard("publish"):
+            self.publisher.publish(self.trainer.engine_params(), self.engine)
+        self._record_lengths(local_idx, completions)
+        record = self._host_record(step, local_idx, global_idx, timer, reward, correct,
+                                   completions, train_metrics)
+        self.exporter.export({"kind": "host", **record})
+        self._pending = (step, record)
+        if not cfg.rl_async_metrics_export:
+            self._flush_metrics()
+
+    def _record_lengths(self, local_idx, completions) -> None:
+        """Completion lengths per prompt, shared by all hosts for O3's expected-output weights."""
+        if not self.cfg.rl_balance_by_expected_output:
+            return
+        g = self.cfg.num_generations
+        lens = np.array([len(c.tokens) for c in completions], np.float64).reshape(-1, g).mean(1)
+        mine = np.stack([local_idx.astype(np.float64), lens], axis=1)
+        with self.watchdog.guard("lengths"):
+            every = topology.allgather(mine).reshape(-1, 2)
+        idx = every[:, 0].astype(int)
+        np.add.at(self.output_len_sum, idx, every[:, 1])
+        np.add.at(self.output_len_count, idx, 1)
+
+    def _compile_count(self) -> int:
+        return self.engine.compile_count + self.trainer.compile_count
+
+    def _host_record(self, step, local_idx, global_idx, timer, reward, correct, completions,
+                     train_metrics) -> dict:
+        lens = [len(c.tokens) for c in completions]
+        compiles = self._compile_count()
+        compiled, self._compiles = compiles > self._compiles, compiles
+        phase = {f"{p}_s": timer.seconds.get(p, 0.0) for p in metrics.PHASES}
+        return {
+            "step": step, "host": self.topo.host, "step_s": timer.total(), **phase,
+            "reward_sum": float(reward.sum()), "correct_sum": float(correct.sum()),
+            "completions": len(completions), "completion_tokens": sum(lens),
+            "completion_len_max": max(lens), "prompts": len(local_idx),
+            "truncated": sum(c.finish_reason == "length" for c in completions),
+            "prompt_tokens": int(self.prompt_lengths[local_idx].sum()),
+            "compiled": int(compiled), "local_prompt_indices": local_idx.tolist(),
+            "global_prompt_indices": global_idx.tolist(), **train_metrics,
+        }
+
+    # --- metrics (phase 7) -----------------------------------------------------------------
+
+    def _pending_payload(self) -> np.ndarray:
+        if self._pending is None:
+            return np.zeros(len(metrics.HOST_FIELDS))
+        return metrics.host_vector(self._pending[1])
+
+    def _flush_metrics(self) -> None:
+        """Base path: a host barrier (all-gather) for the step's metrics, then export inline."""
+        with self.watchdog.guard("metrics"):
+            per_host = topology.allgather(self._pending_payload())
+        self._emit_global(per_host)
+
+    def _emit_global(self, per_host: np.ndarray) -> None:
+        step, record = self._pending
+        self._pending = None
+        # The step's wall period: to the next step's start, or to now (metrics barrier done).
+        period = self._step_start.get(step + 1, time.perf_counter()) - self._step_start.pop(step)
+        if self.topo.is_leader:
+            rec = metrics.global_record(step, per_host, record["global_prompt_indices"])
+            rec["step_s"] = period
+            rec.update({k: record[k] for k in ("loss", "grad_norm", "kl") if k in record})
+            self.step_records.append(rec)
+            self.exporter.export({"kind": "global", **rec})
+
+    def _export(self, record: dict) -> None:
+        kind = record.pop("kind")
+        if kind == "host":
+            self.host_log(record)
+        else:
+            self.step_log(record)
+            if record["step"] % self.cfg.log_period == 0:
+                print(metrics.progress_line(record), flush=True)
+
+    # --- the run ---------------------------------------------------------------------------
+
+    def run(self) -> dict | None:
+        """All steps, then host 0 writes and returns summary.json."""
+        try:
+            for step in range(self.cfg.steps):
+                self.step(step)
+                if step == 0 and self.cfg.rl_gc_freeze_after_warmup:
+                    freeze_gc()
+            if self._pending is not None:
+                self._flush_metrics()
+        finally:
+            self.exporter.close()
+            self.host_log.close()
+            if self.step_log:
+                self.step_log.close()
+        return self._write_summary() if self.topo.is_leader else None
+
+    def _write_summary(self) -> dict:
+        recs = sorted(self.step_records, key=lambda r: r["step"])
+        steady = [r for r in recs if not r["compiled"]] or recs
+
+        def mean(key, part):
+            return float(np.mean([r[key] for r in part])) if part else 0.0
+
+        summary = {
+            "run_name": self.cfg.run_name,
+            "hosts": self.topo.num_hosts,
+            "devices_per_host": len(self.topo.local_devices),
+            "steps": len(recs),
+            "accuracy_first10": mean("accuracy", recs[:10]),
+            "accuracy_last10": mean("accuracy", recs[-10:]),
+            "reward_first10": mean("reward_mean", recs[:10]),
+            "reward_last10": mean("reward_mean", recs[-10:]),
+            "median_step_s": statistics.median(r["step_s"] for r in steady),
+            "phase_median_s": {p: statistics.median(r["phase_s"][p] for r in steady)
+                               for p in metrics.PHASES},
+            "tokens_generated": int(sum(r["tokens_generated"] for r in recs)),
+            "compiled_steps": int(sum(r["compiled"] for r in recs)),
+        }
+        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+        print(summary_table(summary), flush=True)
+        return summary
+
+
+def freeze_gc() -> None:
+    """O2: collect once, move survivors to the permanent generation, stop automatic GC."""
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+
+
+def summary_table(s: dict) -> str:
+    rows = [("hosts x devices", f"{s['hosts']} x {s['devices_per_host']}"),
+            ("steps", s["steps"]),
+            ("accuracy first10 -> last10", f"{s['accuracy_first10']:.3f} -> "
+                                          f"{s['accuracy_last10']:.3f}"),
+            ("reward first10 -> last10", f"{s['reward_first10']:.3f} -> {s['reward_last10']:.3f}"),
+            ("median step", f"{s['median_step_s']:.3f} s"),
+            *((f"  {p}", f"{v:.3f} s") for p, v in s["phase_median_s"].items()),
+            ("tokens generated", s["tokens_generated"])]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(["summary"] + [f"  {k:<{width}}  {v}" for k, v in rows])
+
+
+def run(cfg: Config, topo: topology.Topology | None = None) -> dict | None:
+    topo = topo or topology.current()
+    if jax.process_count() > 1 and cfg.rl_runtime == "single":
+        raise ConfigError("rl_runtime=single runs in one process: use --hosts 1")
+    return ColocatedRuntime(cfg, topo).run()
