@@ -21,9 +21,19 @@ EXTRAS = {
         "pytest-timeout==2.4.0",
         "ruff==0.17.5",
         "matplotlib==3.11.2",
+        "psutil==7.2.2",
     ],
     "ray": ["ray==2.60.0"],
-    "maxtext": ["maxtext==0.2.5"],
+    # MaxText's RL path on CPU, without vllm/tpu-inference/torch; make setup patches it.
+    "maxtext": [
+        "maxtext==0.2.5",
+        "pathwaysutils==0.1.13",
+        "drjax==0.2.1",
+        "aqtp==0.9.0",
+        "tokamax==0.0.17",
+        "tiktoken==0.14.0",
+        "math-verify==0.9.0",
+    ],
     "tpu": ["jax[tpu]==0.12.0.1"],
 }
 

@@ -167,6 +167,11 @@ def _coerce(key: str, value: Any) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif hint is float:
+        if isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+            try:
+                return float(value)
+            except ValueError:
+                pass
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
     elif hint is str:

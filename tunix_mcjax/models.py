@@ -48,14 +48,29 @@ def model_config(cfg: Config, vocab_size: int, *, for_sampling: bool = False) ->
     return dataclasses.replace(base, shd_config=sharding, **dtypes)
 
 
+def _init_mlp(model: nnx.Module, seed: int) -> None:
+    """Tunix zero-initialises MLP kernels (it expects a checkpoint); with all three at zero the
+    MLP gets no gradient and never trains. Random init gives them a fan-in scaled normal."""
+    key = jax.random.key(seed + 1)
+    for i, layer in enumerate(model.layers):
+        for j, name in enumerate(("gate_proj", "up_proj", "down_proj")):
+            kernel = getattr(layer.mlp, name).kernel
+            fan_in = kernel.shape[0]
+            value = jax.random.normal(jax.random.fold_in(key, 3 * i + j), kernel.shape)
+            kernel.set_value((value / jnp.sqrt(fan_in)).astype(kernel.get_value().dtype))
+
+
 def create_model(mc: qwen3.ModelConfig, seed: int, mesh: jax.sharding.Mesh | None = None):
     """Random-init Qwen3. With `mesh`, params are created sharded by the model's own specs."""
     if mesh is None:
-        return qwen3.Qwen3(mc, rngs=nnx.Rngs(seed))
+        model = qwen3.Qwen3(mc, rngs=nnx.Rngs(seed))
+        _init_mlp(model, seed)
+        return model
 
     @nnx.jit
     def make():
         model = qwen3.Qwen3(mc, rngs=nnx.Rngs(seed))
+        _init_mlp(model, seed)
         state = nnx.state(model)
         nnx.update(model, jax.lax.with_sharding_constraint(state, nnx.get_partition_spec(state)))
         return model

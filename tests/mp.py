@@ -1,0 +1,31 @@
+"""Helpers for real multi-process tests: H local JAX processes via the launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def launch(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
+    """`python -m tunix_mcjax.launch ARGS`, output captured."""
+    return subprocess.run([sys.executable, "-m", "tunix_mcjax.launch", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def launch_worker(module: str, recipe: str, overrides: list[str], hosts: int = 2,
+                  devices: int = 2, timeout: float = 400) -> subprocess.CompletedProcess:
+    """Runs a test worker module as H processes of one jax.distributed job."""
+    code = ("import sys; from tunix_mcjax.launch import launch; "
+            f"sys.exit(launch({recipe!r}, {overrides!r}, {hosts}, {devices}, module={module!r}))")
+    return subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]

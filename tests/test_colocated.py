@@ -1,0 +1,151 @@
+"""The colocated runtime on 2 real JAX processes x 2 CPU devices (gloo collectives)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+import types
+
+import jax
+import numpy as np
+import psutil
+import pytest
+from flax import nnx
+from tunix.rl import algo_core, common
+
+from tests.mp import REPO, launch_worker, read_jsonl
+from tunix_mcjax import models
+from tunix_mcjax.config import load_config
+from tunix_mcjax.trainer import make_optimizer
+
+TINY = ["base_num_decoder_layers=1", "base_emb_dim=32", "base_mlp_dim=64",
+        "base_num_query_heads=2", "base_num_kv_heads=1", "head_dim=16"]
+
+
+def tunix_reference_update(cfg, npz) -> tuple[float, dict[str, np.ndarray]]:
+    """One step of Tunix's grpo_loss_fn + make_optimizer(cfg), one process, padded batch."""
+    from tests.workers.fixed_update import VOCAB, fixed_batch
+
+    g = cfg.num_generations
+    prompts, completions, rewards = fixed_batch(cfg.batch_size, g)
+    adv = algo_core.compute_advantages(rewards, g)
+    model = models.create_model(models.model_config(cfg, VOCAB), seed=123)
+    params = nnx.state(model, nnx.Param)
+    flat = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(params)}
+    for key in flat:
+        flat[key].set_value(jax.numpy.asarray(npz[f"initial/{key}"]))
+    nnx.update(model, params)
+
+    pl = max(len(p) for p in prompts)
+    cl = max(len(c) for c in completions)
+    prompt_ids = np.zeros((len(completions), pl), np.int32)  # left-padded, pad id 0
+    completion_ids = np.zeros((len(completions), cl), np.int32)  # right-padded
+    for j, c in enumerate(completions):
+        p = prompts[j // g]
+        prompt_ids[j, pl - len(p):] = p
+        completion_ids[j, :len(c)] = c
+    ref = None
+    if cfg.grpo_beta:
+        graphdef, state = nnx.split(model)
+        ref = common.compute_per_token_logps(graphdef, state, jax.numpy.asarray(prompt_ids),
+                                             jax.numpy.asarray(completion_ids), 0, 2)
+    example = common.TrainExample(
+        prompt_ids=jax.numpy.asarray(prompt_ids), prompt_mask=jax.numpy.asarray(prompt_ids != 0),
+        completion_ids=jax.numpy.asarray(completion_ids),
+        completion_mask=jax.numpy.asarray(completion_ids != 0).astype(np.float32),
+        advantages=jax.numpy.asarray(adv), ref_per_token_logps=ref, old_per_token_logps=None)
+    algo = types.SimpleNamespace(beta=cfg.grpo_beta, epsilon=cfg.grpo_epsilon, loss_algo="grpo",
+                                 loss_agg_mode=cfg.loss_agg_mode, kl_loss_mode="kl",
+                                 kl_clamp_value=None, temperature=1.0)
+
+    def loss_fn(m):
+        return algo_core.grpo_loss_fn(m, example, algo, pad_id=0, eos_id=2)
+
+    (loss, _), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
+    tx = make_optimizer(cfg)
+    params = nnx.state(model, nnx.Param)
+    updates, _ = tx.update(grads, tx.init(params), params)
+    import optax
+
+    new = optax.apply_updates(params, updates)
+    return float(loss), {"/".join(map(str, k)): np.asarray(v.get_value())
+                         for k, v in nnx.to_flat_state(new)}
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1])
+def test_update_equals_tunix(tmp_path, beta):
+    # adam_eps well above fp32 summation noise: Adam's first step is lr * g / (|g| + eps), so
+    # with a tiny eps a near-zero gradient entry amplifies reduction-order noise (4 devices vs
+    # 1) into the update. The optimizer is otherwise the run's own.
+    overrides = [*TINY, "batch_size=4", "num_generations=4", "max_prefill_predict_length=4",
+                 "max_target_length=10", "learning_rate=0.01", f"grpo_beta={beta}",
+                 "adam_eps=1e-4",
+                 f"base_output_directory={tmp_path}", "run_name=upd"]
+    proc = launch_worker("tests.workers.fixed_update", "recipes/cpu/demo.yml", overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    npz = np.load(tmp_path / "upd" / "update.npz")
+    cfg = load_config(REPO / "recipes/cpu/demo.yml", overrides)
+    ref_loss, ref_params = tunix_reference_update(cfg, npz)
+    assert float(npz["loss"]) == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
+    moved = 0
+    for key, want in ref_params.items():
+        got = npz[f"final/{key}"]
+        # 1e-5 relative to each element, or to the leaf's scale for entries near zero.
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=key)
+        moved += int(not np.array_equal(got, npz[f"initial/{key}"]))
+    assert moved == len(ref_params)  # every leaf was updated, so the comparison has teeth
+
+
+def test_uneven_hosts_publish_and_assignment(tmp_path):
+    """Hosts stop at different lengths (no deadlock); engines equal trainer params; groups whole."""
+    overrides = [*TINY, "steps=2", "batch_size=4", "num_generations=4",
+                 "max_prefill_predict_length=4", "max_target_length=12", "ignore_eos=true",
+                 f"base_output_directory={tmp_path}", "run_name=uneven"]
+    proc = launch_worker("tests.workers.uneven_run", "recipes/cpu/demo.yml", overrides)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = tmp_path / "uneven"
+    for host in (0, 1):
+        w = json.loads((run / f"weights_{host}.json").read_text())
+        assert w["replicas"] == 2 and w["compared"] == 2 * w["leaves"]
+        assert w["max_abs_diff"] == 0.0
+    host_logs = {h: read_jsonl(run / f"host_{h}.jsonl") for h in (0, 1)}
+    for step in (0, 1):
+        recs = [host_logs[h][step] for h in (0, 1)]
+        assert recs[0]["completion_len_max"] == 8 and recs[1]["completion_len_max"] == 1
+        local = [r["local_prompt_indices"] for r in recs]
+        assert not set(local[0]) & set(local[1])
+        assert sorted(local[0] + local[1]) == sorted(recs[0]["global_prompt_indices"])
+        assert all(r["completions"] == 4 * len(r["local_prompt_indices"]) for r in recs)
+    steps = read_jsonl(run / "steps.jsonl")
+    assert [s["step"] for s in steps] == [0, 1]
+    assert (run / "summary.json").is_file()
+
+
+def test_killed_host_stops_the_launcher(tmp_path):
+    cmd = [sys.executable, "-m", "tunix_mcjax.launch", "--hosts", "2", "--devices-per-host",
+           "2", "recipes/cpu/demo.yml", *TINY, "steps=100000",
+           f"base_output_directory={tmp_path}", "run_name=kill"]
+    launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)
+    try:
+        lines = []
+        for line in launcher.stdout:  # wait until training is under way
+            lines.append(line)
+            if "step    2 |" in line:
+                break
+        victim = next(c for c in psutil.Process(launcher.pid).children()
+                      if c.environ().get("TUNIX_MCJAX_PROCESS_ID") == "1")
+        victim.send_signal(signal.SIGKILL)
+        t0 = time.monotonic()
+        out, _ = launcher.communicate(timeout=60)
+        elapsed = time.monotonic() - t0
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode != 0
+    assert elapsed < 60
+    assert "host 1 exited with code -9" in out
