@@ -1,0 +1,94 @@
+"""Benchmark workloads: the paper's Table 1 at full scale, and scaled-down CPU versions.
+
+Every profile is a recipe (config keys) plus a synthetic GSM8K-format dataset whose prompt
+lengths fill the profile's prompt budget. Timing needs the workload's shape, not its content:
+models are random-init and completions are forced to their full budget (`ignore_eos`), so
+every arm decodes the same number of tokens. The dataset holds exactly `batches` global
+batches, and `data_repeat_period` replays them: steps 0..B-1 and B..2B-1 see the same batches.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+BATCHES = 20  # distinct global batches; a run covers them twice
+WORDS = ("apples", "boxes", "each", "total", "how", "many", "costs", "sold", "per", "week",
+         "more", "than", "half", "left", "after", "gave", "buys", "price", "of", "the")
+
+
+@dataclasses.dataclass(frozen=True)
+class Profile:
+    name: str
+    character: str  # balanced | decode-heavy | prefill-heavy
+    batch_size: int  # prompts per step
+    num_generations: int
+    prompt_budget: int  # tokens, BOS included
+    completion_budget: int
+    prompt_chars: tuple[int, int]  # synthetic prompt length range (char tokenizer: chars)
+    model: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def recipe(self, data_file: str) -> dict[str, Any]:
+        """Config keys shared by every arm."""
+        return {
+            "dataset_name": "gsm8k",
+            "hf_train_files": data_file,
+            "data_repeat_period": BATCHES,
+            "steps": 2 * BATCHES,
+            "batch_size": self.batch_size,
+            "num_generations": self.num_generations,
+            "max_prefill_predict_length": self.prompt_budget,
+            "max_target_length": self.prompt_budget + self.completion_budget,
+            "ignore_eos": True,
+            "tokenizer_type": "char",
+            **self.model,
+        }
+
+
+QWEN3_0P6B = {"model_name": "qwen3-0.6b", "dtype": "bfloat16", "weight_dtype": "float32"}
+
+PROFILES = {p.name: p for p in (
+    # Paper Table 1, Qwen3-0.6B shapes (random init). Accelerator scale.
+    Profile("gsm8k", "balanced", 128, 16, 512, 2048, (256, 511), QWEN3_0P6B),
+    Profile("numina", "decode-heavy", 256, 8, 4096, 8192, (1024, 4095), QWEN3_0P6B),
+    Profile("swe", "prefill-heavy", 256, 8, 15360, 1024, (8192, 15359), QWEN3_0P6B),
+    # The same three characters, scaled to run on two CPU cores in minutes (tiny Qwen3).
+    Profile("gsm8k-cpu", "balanced", 8, 8, 32, 64, (12, 31)),
+    Profile("numina-cpu", "decode-heavy", 16, 4, 32, 160, (12, 31)),
+    Profile("swe-cpu", "prefill-heavy", 16, 4, 256, 16, (160, 255)),
+)}
+
+
+def synthetic_rows(profile: Profile, seed: int = 0) -> list[dict[str, str]]:
+    """`BATCHES x batch_size` GSM8K-format rows with prompt lengths in `profile.prompt_chars`."""
+    rng = np.random.default_rng(seed)
+    low, high = profile.prompt_chars
+    rows = []
+    for _ in range(BATCHES * profile.batch_size):
+        target = int(rng.integers(low, high + 1))
+        text = ""
+        while len(text) < target:
+            text += f"{WORDS[rng.integers(len(WORDS))]} {rng.integers(100)} "
+        rows.append({"question": text[:target - 1] + "?",
+                     "answer": f"#### {int(rng.integers(1000))}"})
+    return rows
+
+
+def write_workload(profile: Profile, out_dir: Path, seed: int = 0) -> Path:
+    """Writes `<out_dir>/data.jsonl` and `<out_dir>/recipe.yml`; returns the recipe path.
+
+    `out_dir` should be relative to the directory the arms run in: the recipe names the
+    data file by that same path.
+    """
+    out_dir.mkdir(parents=True, exist_ok=True)
+    data = out_dir / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_rows(profile, seed)))
+    recipe = out_dir / "recipe.yml"
+    recipe.write_text(f"# benchmark profile {profile.name} ({profile.character})\n"
+                      + yaml.safe_dump(profile.recipe(str(data)), sort_keys=False))
+    return recipe

@@ -1,0 +1,219 @@
+"""Benchmark report: per-arm step times and phases, speedups with intervals, equal work, plots.
+
+Scored steps are the second pass over the batches (steps B..2B-1), compile steps excluded.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+
+from tunix_mcjax.bench import stats
+from tunix_mcjax.bench.equal_work import RunLog, check_equal_work
+
+PHASES = ("admit", "generate", "reward", "pack", "train", "publish")
+DEVICE_PHASES = ("generate", "train")
+HOST_SHARE = (
+    "Host share is the part of a step spent outside the two phases that run the model on the "
+    "devices, generate and train: 1 - (generate + train) / step, median over scored steps. It "
+    "counts admission, reward, packing, weight publication, metrics and loop bookkeeping. "
+    "Generate and train also hold host work (dispatch, decode-loop control), so it is a lower "
+    "bound on host-side work."
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ArmRun:
+    """One arm at one host count: its log and how it ran."""
+
+    arm: str
+    hosts: int
+    log: RunLog
+    meta: dict
+
+
+def phase_table(run: RunLog, first_scored: int) -> dict[str, float]:
+    """Median seconds per phase over scored steps; `other` is the step outside all phases."""
+    scored = run.scored(first_scored)
+    present = [p for p in PHASES if any(p in r["phase_s"] for r in scored)]
+    table = {p: float(np.median([r["phase_s"].get(p, 0.0) for r in scored])) for p in present}
+    table["other"] = float(np.median(
+        [r["step_s"] - sum(r["phase_s"].get(p, 0.0) for p in present) for r in scored]))
+    return table
+
+
+def host_share(run: RunLog, first_scored: int) -> float:
+    shares = [1 - sum(r["phase_s"].get(p, 0.0) for p in DEVICE_PHASES) / r["step_s"]
+              for r in run.scored(first_scored)]
+    return float(np.median(shares))
+
+
+def arm_summary(a: ArmRun, first_scored: int) -> dict:
+    scored = a.log.scored(first_scored)
+    if not scored:
+        raise ValueError(f"{a.log.name}: no steady steps from step {first_scored}")
+    step_s = a.log.column("step_s", first_scored)
+    tokens = a.log.column("tokens_generated", first_scored)
+    second_pass = [r for r in a.log.records if r["step"] >= first_scored]
+    return {
+        "run": a.log.name,
+        "median_step_s": float(np.median(step_s)),
+        "median_s_per_1k_tokens": float(np.median(stats.per_token(step_s, tokens)) * 1e3),
+        "phase_median_s": phase_table(a.log, first_scored),
+        "host_share": host_share(a.log, first_scored),
+        "steady_steps": len(scored),
+        "compiled_scored_steps": len(second_pass) - len(scored),
+        "reward_mean": float(np.mean([r.get("reward_mean", np.nan) for r in scored])),
+        **a.meta,
+    }
+
+
+def ratio(num: RunLog, den: RunLog, first_scored: int, seed: int) -> dict:
+    """T_num / T_den per step and per generated token, with bootstrap intervals."""
+    t_num, t_den = num.column("step_s", first_scored), den.column("step_s", first_scored)
+    per_step = stats.bootstrap_ratio(t_num, t_den, seed=seed)
+    per_tok = stats.bootstrap_ratio(
+        stats.per_token(t_num, num.column("tokens_generated", first_scored)),
+        stats.per_token(t_den, den.column("tokens_generated", first_scored)), seed=seed + 1)
+    out = {**per_step.as_dict(), "per_token": per_tok.as_dict(),
+           "faster": stats.is_faster(per_step) and stats.is_faster(per_tok)}
+    if any(r["compiled"] for log in (num, den) for r in log.records if r["step"] >= first_scored):
+        every = [np.array([r["step_s"] for r in log.records if r["step"] >= first_scored])
+                 for log in (num, den)]
+        out["with_compile"] = float(np.median(every[0]) / np.median(every[1]))
+    return out
+
+
+def moved_phase(base: dict, variant: dict) -> dict:
+    """The phase whose median changed most from base to variant (seconds, variant - base)."""
+    deltas = {p: variant["phase_median_s"].get(p, 0.0) - base["phase_median_s"].get(p, 0.0)
+              for p in base["phase_median_s"]}
+    top = max(deltas, key=lambda p: abs(deltas[p]))
+    return {"phase": top, "delta_s": deltas[top], "deltas_s": deltas}
+
+
+def build_report(runs: list[ArmRun], reference: str, first_scored: int, *, ablation: bool,
+                 context: dict, seed: int = 0) -> dict:
+    """The report for every host count; top-level fields mirror the largest host count."""
+    by_hosts = {}
+    for hosts in sorted({r.hosts for r in runs}):
+        at = {r.arm: r for r in runs if r.hosts == hosts}
+        arms = {name: arm_summary(r, first_scored) for name, r in at.items()}
+        refs = [reference] if ablation else [a for a in (reference, f"{reference}+opt") if a in at]
+        ratios, pairs = {}, {}
+        for ref in refs:
+            for name, r in at.items():
+                if name == ref:
+                    continue
+                num, den = (at[ref].log, r.log) if ablation else (r.log, at[ref].log)
+                key = f"{ref}_over_{name}" if ablation else f"{name}_over_{ref}"
+                ratios[key] = ratio(num, den, first_scored, seed)
+                if ablation:
+                    ratios[key]["moved"] = moved_phase(arms[ref], arms[name])
+                if ref == reference:
+                    pairs[name] = check_equal_work(at[ref].log, r.log, first_scored).as_dict()
+        by_hosts[str(hosts)] = {
+            "hosts": hosts, "arms": arms, "ratios": ratios,
+            "equal_work": {"ok": all(p["ok"] for p in pairs.values()), "pairs": pairs},
+        }
+    top = by_hosts[max(by_hosts, key=int)]
+    return {**context, "reference": reference, "ablation": ablation,
+            "first_scored_step": first_scored, "host_share_definition": HOST_SHARE,
+            **top, "by_hosts": by_hosts}
+
+
+def _fmt_ci(r: dict) -> str:
+    return f"{r['median']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
+
+
+def markdown(report: dict) -> str:
+    """The report's tables."""
+    lines = [f"# Step-time benchmark: {report['profile']}", "",
+             f"Scored: steps {report['first_scored_step']}+ (second pass), compile steps "
+             f"excluded; intervals: 95% percentile bootstrap, {stats.RESAMPLES} resamples.", ""]
+    for key, at in report["by_hosts"].items():
+        lines += [f"## {key} host(s) x {report['devices_per_host']} device(s)", "",
+                  "| arm | median step s | s / 1k tokens | host share | "
+                  + " | ".join(PHASES) + " | other | steady steps |",
+                  "|---" * (len(PHASES) + 6) + "|"]
+        for name, a in at["arms"].items():
+            ph = a["phase_median_s"]
+            cells = [f"{ph[p]:.3f}" if p in ph else "-" for p in (*PHASES, "other")]
+            lines.append(f"| {name} | {a['median_step_s']:.3f} | {a['median_s_per_1k_tokens']:.3f}"
+                         f" | {a['host_share']:.0%} | " + " | ".join(cells)
+                         + f" | {a['steady_steps']} |")
+        lines += ["", "| ratio | per step | per token | faster (both lower bounds > "
+                  f"{stats.FASTER_MARGIN}) |" + (" phase moved most |" if report["ablation"]
+                                                   else ""),
+                  "|---|---|---|---|" + ("---|" if report["ablation"] else "")]
+        for name, r in at["ratios"].items():
+            moved = (f" {r['moved']['phase']} ({r['moved']['delta_s']:+.3f} s) |"
+                     if "moved" in r else "")
+            lines.append(f"| {name} | {_fmt_ci(r)} | {_fmt_ci(r['per_token'])} | "
+                         f"{'yes' if r['faster'] else 'no'} |{moved}")
+        ew = at["equal_work"]
+        lines += ["", f"Equal work: {'ok' if ew['ok'] else 'FAILED'}"]
+        for name, p in ew["pairs"].items():
+            lines += [f"- {name}: {'ok' if p['ok'] else '; '.join(p['problems'][:5])}"]
+        lines.append("")
+    if "tunix_layouts" in report:
+        lines += ["Tunix layouts (median step s): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in report["tunix_layouts"].items()), ""]
+    lines += [report["host_share_definition"], ""]
+    return "\n".join(lines)
+
+
+def plot(report: dict, out_dir: Path) -> list[Path]:
+    """Step time stacked by phase per arm (and host count); speedup vs hosts when several."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    bars = [(f"{name}\n{h}h" if len(report["by_hosts"]) > 1 else name, a["phase_median_s"])
+            for h, at in report["by_hosts"].items() for name, a in at["arms"].items()]
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(bars)), 4))
+    bottom = np.zeros(len(bars))
+    for phase in (*PHASES, "other"):
+        heights = np.array([max(ph.get(phase, 0.0), 0.0) for _, ph in bars])
+        if heights.any():
+            ax.bar([b[0] for b in bars], heights, bottom=bottom, label=phase)
+            bottom += heights
+    ax.set_ylabel("median seconds per step")
+    ax.set_title(f"{report['profile']}: step time by phase")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / "step_time_by_phase.png")
+    fig.savefig(paths[-1], dpi=120)
+    plt.close(fig)
+
+    if len(report["by_hosts"]) > 1:
+        fig, ax = plt.subplots(figsize=(5, 4))
+        hosts = sorted(report["by_hosts"], key=int)
+        for key in report["by_hosts"][hosts[-1]]["ratios"]:
+            rs = [report["by_hosts"][h]["ratios"].get(key) for h in hosts]
+            xs = [int(h) for h, r in zip(hosts, rs, strict=True) if r]
+            rs = [r for r in rs if r]
+            ax.errorbar(xs, [r["median"] for r in rs], marker="o", capsize=3, label=key,
+                        yerr=[[r["median"] - r["ci_low"] for r in rs],
+                              [r["ci_high"] - r["median"] for r in rs]])
+        ax.axhline(1.0, color="gray", lw=0.8)
+        ax.set_xlabel("hosts")
+        ax.set_ylabel("speedup (ratio of median step times)")
+        ax.set_xticks([int(h) for h in hosts])
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        paths.append(out_dir / "speedup_vs_hosts.png")
+        fig.savefig(paths[-1], dpi=120)
+        plt.close(fig)
+    return paths
+
+
+def write(report: dict, out_dir: Path) -> list[Path]:
+    (out_dir / "report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / "report.md").write_text(markdown(report))
+    return [out_dir / "report.json", out_dir / "report.md", *plot(report, out_dir)]

@@ -1,0 +1,221 @@
+"""Step-time benchmark: the same GRPO under stock Tunix, our single controller, and McJAX.
+
+    python -m tunix_mcjax.bench.step --profile gsm8k-cpu --hosts 2 --devices-per-host 1 \\
+        --arms tunix,single,mcjax --out bench_results/<name>
+
+Arms (same model, tokenizer, reward, hyperparameters, batches and devices):
+  tunix      stock Tunix GRPOLearner + RLCluster (vanilla rollout), one process; every layout in
+             --tunix-layouts runs and the fastest one is the arm
+  single     our runtime, rl_runtime=single: one process drives all H x D devices
+  mcjax      our colocated runtime on H hosts (the reference of every ratio)
+  mcjax+opt  mcjax with O1-O4 on
+--ablation runs mcjax, mcjax+O1 .. mcjax+O4 and mcjax+opt, and reports each against mcjax.
+
+Protocol: 20 batches twice (40 steps); the second pass is scored, compile steps excluded.
+Arms run one after another. Each run's log is in <out>/logs/, its steps in <out>/runs/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from tunix_mcjax.bench import profiles, report
+from tunix_mcjax.bench.equal_work import RunLog
+
+OPTIMIZATIONS = {
+    "O1": "rl_async_metrics_export",
+    "O2": "rl_gc_freeze_after_warmup",
+    "O3": "rl_balance_prompts_by_length",
+    "O4": "rl_publish_weights_single_call",
+}
+ALL_OPT = {key: True for key in OPTIMIZATIONS.values()}
+ARMS = ("tunix", "single", "mcjax", "mcjax+opt")
+ABLATION = ("mcjax", *(f"mcjax+{o}" for o in OPTIMIZATIONS), "mcjax+opt")
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One process launch: an arm (or one Tunix layout of it) at one host count."""
+
+    arm: str
+    hosts: int
+    devices_per_host: int
+    layout: str = ""  # tunix only
+
+    @property
+    def name(self) -> str:
+        return f"{self.arm}{'-' + self.layout if self.layout else ''}-h{self.hosts}"
+
+    def overrides(self) -> dict:
+        if self.arm == "single":
+            return {"rl_runtime": "single"}
+        if self.arm == "mcjax+opt":
+            return ALL_OPT
+        if self.arm.startswith("mcjax+"):
+            return {OPTIMIZATIONS[self.arm.removeprefix("mcjax+")]: True}
+        return {}
+
+    def command(self, recipe: Path, out: Path, extra: list[str]) -> list[str]:
+        keys = [f"{k}={v}" for k, v in self.overrides().items()]
+        keys += [f"run_name={self.name}", f"base_output_directory={out / 'runs'}", *extra]
+        devices = self.hosts * self.devices_per_host
+        if self.arm == "tunix":
+            return [sys.executable, "-m", "tunix_mcjax.bench.tunix_arm", "--devices",
+                    str(devices), "--layout", self.layout, str(recipe), *keys]
+        hosts, per_host = (1, devices) if self.arm == "single" else (self.hosts,
+                                                                      self.devices_per_host)
+        return [sys.executable, "-m", "tunix_mcjax.launch", "--hosts", str(hosts),
+                "--devices-per-host", str(per_host), str(recipe), *keys]
+
+
+def plan(arms: list[str], hosts: list[int], devices_per_host: int,
+         tunix_layouts: list[str]) -> list[Run]:
+    runs = []
+    for h in hosts:
+        for arm in arms:
+            layouts = tunix_layouts if arm == "tunix" else [""]
+            runs += [Run(arm, h, devices_per_host, layout) for layout in layouts]
+    return runs
+
+
+def _progress(steps_file: Path, seen: int, run: Run, total: int) -> int:
+    if not steps_file.is_file():
+        return seen
+    lines = steps_file.read_text().splitlines()
+    for line in lines[seen:]:
+        try:
+            r = json.loads(line)
+        except json.JSONDecodeError:  # a line still being written
+            return seen
+        print(f"  {run.name} step {r['step'] + 1:3d}/{total} {r['step_s']:7.3f}s"
+              f"{'  (compiled)' if r['compiled'] else ''}", flush=True)
+        seen += 1
+    return seen
+
+
+def execute(run: Run, recipe: Path, out: Path, extra: list[str], steps: int,
+            timeout_s: float) -> dict:
+    """Runs one launch to completion with per-step progress; returns its metadata."""
+    steps_file = out / "runs" / run.name / "steps.jsonl"
+    steps_file.unlink(missing_ok=True)
+    log_path = out / "logs" / f"{run.name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    cmd = run.command(recipe, out, extra)
+    load_before = os.getloadavg()[0]
+    t0 = time.perf_counter()
+    with log_path.open("w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        seen = 0
+        while proc.poll() is None:
+            seen = _progress(steps_file, seen, run, steps)
+            if time.perf_counter() - t0 > timeout_s:
+                os.killpg(proc.pid, signal.SIGTERM)
+                proc.wait()
+                raise RuntimeError(f"{run.name}: timed out after {timeout_s:.0f}s; see {log_path}")
+            time.sleep(1.0)
+    _progress(steps_file, seen, run, steps)
+    if proc.returncode != 0:
+        tail = "".join(log_path.read_text().splitlines(keepends=True)[-25:])
+        raise RuntimeError(f"{run.name} failed (exit {proc.returncode}); {log_path}:\n{tail}")
+    meta = {"command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0,
+            "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0]}
+    (steps_file.parent / "bench_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def _load(run: Run, out: Path) -> tuple[RunLog, dict]:
+    run_dir = out / "runs" / run.name
+    meta_file = run_dir / "bench_meta.json"
+    meta = json.loads(meta_file.read_text()) if meta_file.is_file() else {}
+    return RunLog.load(run_dir / "steps.jsonl", run.name), meta
+
+
+def collect(runs: list[Run], out: Path, first_scored: int) -> tuple[list[report.ArmRun], dict]:
+    """Loads every run, in plan order; the fastest Tunix layout per host count is the arm."""
+    arm_runs, layouts, best = [], {}, {}
+    for run in runs:
+        log, meta = _load(run, out)
+        if run.arm == "tunix":
+            median = float(np.median(log.column("step_s", first_scored)))
+            layouts[f"{run.layout}-h{run.hosts}"] = median
+            if run.hosts in best and best[run.hosts][0] <= median:
+                continue
+            best[run.hosts] = (median, report.ArmRun("tunix", run.hosts, log,
+                                                     {**meta, "layout": run.layout}))
+        else:
+            arm_runs.append(report.ArmRun(run.arm, run.hosts, log, meta))
+    return [b[1] for b in best.values()] + arm_runs, layouts
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--profile", required=True, choices=sorted(profiles.PROFILES))
+    p.add_argument("--hosts", default="2", help="host counts, comma-separated (e.g. 1,2)")
+    p.add_argument("--devices-per-host", type=int, default=1)
+    p.add_argument("--arms", default="tunix,single,mcjax", help=f"from {', '.join(ARMS)}")
+    p.add_argument("--ablation", action="store_true",
+                   help=f"run {', '.join(ABLATION)} instead of --arms")
+    p.add_argument("--tunix-layouts", default="fsdp,one-device",
+                   help="Tunix layouts to try: fsdp, one-device")
+    p.add_argument("--out", required=True, type=Path, help="output directory (relative path)")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="extra config overrides for every arm")
+    p.add_argument("--timeout-s", type=float, default=1200.0, help="per launch")
+    p.add_argument("--report-only", action="store_true",
+                   help="rebuild the report from the runs already in --out")
+    args = p.parse_args(argv)
+    args.hosts = [int(h) for h in args.hosts.split(",")]
+    args.arms = list(ABLATION) if args.ablation else args.arms.split(",")
+    unknown = [a for a in args.arms if a not in ARMS + ABLATION]
+    if unknown or "mcjax" not in args.arms:
+        p.error(f"--arms must include mcjax (the reference) and only {', '.join(ARMS)}")
+    args.tunix_layouts = args.tunix_layouts.split(",")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    profile = profiles.PROFILES[args.profile]
+    out: Path = args.out
+    first_scored = profiles.BATCHES
+    steps = 2 * profiles.BATCHES
+    recipe = out / "recipe.yml"
+    runs = plan(args.arms, args.hosts, args.devices_per_host, args.tunix_layouts)
+    if not args.report_only:
+        recipe = profiles.write_workload(profile, out)
+        started = time.perf_counter()
+        for i, run in enumerate(runs, 1):
+            print(f"[{i}/{len(runs)}] {run.name}: {run.hosts} host(s) x {run.devices_per_host} "
+                  f"device(s) ({time.perf_counter() - started:.0f}s elapsed)", flush=True)
+            meta = execute(run, recipe, out, args.set, steps, args.timeout_s)
+            print(f"  done in {meta['wall_s']:.0f}s", flush=True)
+    arm_runs, layouts = collect(runs, out, first_scored)
+    context = {"profile": profile.name, "character": profile.character,
+               "devices_per_host": args.devices_per_host, "overrides": args.set,
+               "steps": steps, "batches": profiles.BATCHES}
+    if layouts:
+        context["tunix_layouts"] = layouts
+    rep = report.build_report(arm_runs, "mcjax", first_scored, ablation=args.ablation,
+                              context=context)
+    for path in report.write(rep, out):
+        print(f"wrote {path}")
+    print(report.markdown(rep))
+    if not rep["equal_work"]["ok"]:
+        sys.exit("equal work FAILED: the ratios above do not count (see report.md)")
+
+
+if __name__ == "__main__":
+    main()
