@@ -49,18 +49,18 @@ def pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def _flatten(tree: Mapping[Any, Any], prefix: LeafPath = ()) -> dict[LeafPath, Any]:
+def flatten_tree(tree: Mapping[Any, Any], prefix: LeafPath = ()) -> dict[LeafPath, Any]:
     flat: dict[LeafPath, Any] = {}
     for key, value in tree.items():
         path = (*prefix, str(key))
         if isinstance(value, Mapping):
-            flat.update(_flatten(value, path))
+            flat.update(flatten_tree(value, path))
         else:
             flat[path] = value
     return flat
 
 
-def _unflatten(flat: Mapping[LeafPath, Any]) -> dict[str, Any]:
+def unflatten_tree(flat: Mapping[LeafPath, Any]) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for path, value in flat.items():
         node = tree
@@ -78,8 +78,8 @@ def _leaf_specs(cfg: qwen3.ModelConfig, tp: int) -> dict[LeafPath, _LeafSpec]:
     """
     abstract = nnx.eval_shape(lambda: qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
     state = nnx.state(abstract, nnx.Param)
-    shapes = _flatten(nnx.to_pure_dict(state))
-    partitions = _flatten(nnx.to_pure_dict(nnx.get_partition_spec(state)))
+    shapes = flatten_tree(nnx.to_pure_dict(state))
+    partitions = flatten_tree(nnx.to_pure_dict(nnx.get_partition_spec(state)))
     specs = {}
     for path, leaf in shapes.items():
         axes = tuple(partitions[path]) + (None,) * (len(leaf.shape) - len(partitions[path]))
@@ -154,7 +154,7 @@ class JaxEngine(Engine):
     # ----- weights -----
 
     def load_weights(self, params: Any) -> None:
-        flat = _flatten(params)
+        flat = flatten_tree(params)
         for path, leaf in flat.items():
             spec = self._leaf_specs.get(path)
             if spec is None:
@@ -319,7 +319,7 @@ class JaxEngine(Engine):
                 stop_ids=jax.device_put(stop_ids, replicated),
                 max_new_tokens=jax.device_put(np.int32(sampling.max_new_tokens), replicated),
             )
-            params = _unflatten(self._params[mesh_index])
+            params = unflatten_tree(self._params[mesh_index])
             program = self._program(mesh_index, shape, spec, params, inputs)
             pending.append(_Pending(batch, program(params, inputs)))
             first += len(batch)

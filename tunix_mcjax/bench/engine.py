@@ -1,0 +1,357 @@
+"""Rollout-engine microbenchmark on one device: JaxEngine vs Tunix's Sampler vs the step floor.
+
+Same random-init Qwen3, prompts and sampling for every arm:
+
+* engine: `JaxEngine.generate` (continuous batching on; on decode-heavy profiles also off);
+* tunix: `tunix.generate.sampler.Sampler.__call__`, warmed up, whole batch in one call, its
+  cheapest sampling path for plain temperature sampling (`top_p=1.0`, no top-k), logprobs on
+  (an RL rollout needs them, and our engine always returns them), a fresh seed per repeat;
+* floor: our jitted decode step alone (batch x 1 token with KV cache, cache donated) in a tight
+  loop, and our prefill alone.
+
+Engine `iteration_ms` = (median generate wall - prefill floor) / decode iterations, so it charges
+sampling, stop checks and loop bookkeeping to the iteration; `iteration_vs_floor_ratio` compares
+it with the bare step. Spreads are IQRs over repeats; the tokens/s ratio has a bootstrap interval.
+
+    python -m tunix_mcjax.bench.engine [--profile gsm8k-cpu|numina-cpu] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from tunix.generate import sampler as tunix_sampler
+from tunix.models.qwen3 import model as qwen3
+
+from tunix_mcjax.engine import qwen3_forward as fwd
+from tunix_mcjax.engine.base import SamplingParams
+from tunix_mcjax.engine.jax_engine import JaxEngine, flatten_tree, pow2_at_least, unflatten_tree
+
+PAD_ID, EOS_ID = 0, 1
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineProfile:
+    """A rollout workload: prompts x generations, prompt lengths, completion budget, stops."""
+
+    name: str
+    prompts: int
+    generations: int
+    prompt_lengths: tuple[int, int]  # uniform in [low, high]
+    max_new_tokens: int
+    ignore_eos: bool
+    stop_token_ids: tuple[int, ...]  # with eos, each ends a sequence (~1/vocab each per token)
+    decode_batch: int  # rows one replica decodes at once
+    repeats: int
+
+    @property
+    def requests(self) -> int:
+        return self.prompts * self.generations
+
+
+PROFILES = {
+    "gsm8k-cpu": EngineProfile(
+        "gsm8k-cpu", prompts=16, generations=4, prompt_lengths=(48, 64), max_new_tokens=64,
+        ignore_eos=True, stop_token_ids=(), decode_batch=64, repeats=5,
+    ),
+    "numina-cpu": EngineProfile(
+        "numina-cpu", prompts=8, generations=4, prompt_lengths=(16, 32), max_new_tokens=256,
+        ignore_eos=False, stop_token_ids=tuple(range(2, 9)), decode_batch=8, repeats=3,
+    ),
+}  # fmt: skip
+
+# Big enough that compute, not dispatch, dominates a CPU step; small enough for ~5 min total.
+MODEL = qwen3.ModelConfig(
+    num_layers=4, vocab_size=1024, embed_dim=256, hidden_dim=1024, num_heads=4, head_dim=64,
+    num_kv_heads=2, rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=True,
+    shd_config=qwen3.ShardingConfig.get_default_sharding(is_sampling=True),
+)  # fmt: skip
+
+
+class IdTokenizer:
+    """Tunix-compatible tokenizer over space-separated ids, so both arms see identical tokens.
+    bos_id() is 0 (falsy), so Tunix adds no BOS."""
+
+    def encode(self, text: str, **_: Any) -> list[int]:
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids: Sequence[int], **_: Any) -> str:
+        return " ".join(str(i) for i in ids)
+
+    def bos_id(self) -> int:
+        return 0
+
+    def eos_id(self) -> int:
+        return EOS_ID
+
+    def pad_id(self) -> int:
+        return PAD_ID
+
+
+def make_prompts(profile: EngineProfile, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`prompts` distinct random prompts, each repeated `generations` times (GRPO groups)."""
+    rng = np.random.default_rng(seed)
+    low, high = profile.prompt_lengths
+    distinct = [
+        rng.integers(9, vocab, size=int(rng.integers(low, high + 1))).tolist()
+        for _ in range(profile.prompts)
+    ]
+    return [p for p in distinct for _ in range(profile.generations)]
+
+
+def spread(values: Sequence[float]) -> dict[str, float]:
+    v = np.asarray(values, dtype=np.float64)
+    q1, med, q3 = np.percentile(v, [25, 50, 75])
+    return {"median": float(med), "iqr": float(q3 - q1), "n": int(v.size)}
+
+
+def bootstrap_ratio(num: Sequence[float], den: Sequence[float], resamples: int = 5000):
+    """median(num)/median(den) with a 95% percentile bootstrap interval."""
+    rng = np.random.default_rng(0)
+    a, b = np.asarray(num), np.asarray(den)
+    ra = np.median(a[rng.integers(0, a.size, (resamples, a.size))], axis=1)
+    rb = np.median(b[rng.integers(0, b.size, (resamples, b.size))], axis=1)
+    low, high = np.percentile(ra / rb, [2.5, 97.5])
+    return float(np.median(a) / np.median(b)), float(low), float(high)
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    start = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - start, out
+
+
+Measure = Callable[[int], dict[str, float]]  # repeat index -> one repeat's measurements
+
+
+def engine_arm(profile, params, prompts, sampling, *, continuous: bool) -> tuple[Measure, dict]:
+    """A warmed-up JaxEngine; CB streams through `decode_batch` rows, else one batch of all."""
+    batch = profile.decode_batch if continuous else profile.requests
+    engine = JaxEngine(
+        MODEL, jax.devices()[:1], pad_id=PAD_ID, eos_id=EOS_ID,
+        max_prompt_length=pow2_at_least(profile.prompt_lengths[1]),
+        max_new_tokens=profile.max_new_tokens, continuous_batching=continuous,
+        max_batch_size=batch,
+    )  # fmt: skip
+    engine.load_weights(params)
+    engine.generate(prompts, sampling, seed=0)  # compile
+    info = {"decode_batch": min(batch, pow2_at_least(profile.requests))}
+
+    def measure(rep: int) -> dict[str, float]:
+        wall, out = timed(lambda: engine.generate(prompts, sampling, seed=rep + 1))
+        info["compile_count"] = engine.compile_count
+        return {
+            "wall_s": wall,
+            "tokens": sum(len(c.tokens) for c in out),
+            "iterations": sum(engine.last_iterations),
+        }
+
+    return measure, info
+
+
+def tunix_arm(profile, model, prompts, sampling, compiles: list[int]) -> tuple[Measure, dict]:
+    """A warmed-up Tunix Sampler over the same model, whole batch per call."""
+    prompt_bucket = pow2_at_least(profile.prompt_lengths[1])
+    cache = tunix_sampler.CacheConfig(
+        cache_size=prompt_bucket + profile.max_new_tokens, num_layers=MODEL.num_layers,
+        num_kv_heads=MODEL.num_kv_heads, head_dim=MODEL.head_dim,
+    )  # fmt: skip
+    sampler = tunix_sampler.Sampler(model, IdTokenizer(), cache)
+    texts = [" ".join(map(str, p)) for p in prompts]
+    ends = [MODEL.vocab_size] if sampling.ignore_eos else [EOS_ID, *sampling.stop_token_ids]
+
+    def call(seed: int):
+        return sampler(
+            texts, max_generation_steps=profile.max_new_tokens, max_prompt_length=prompt_bucket,
+            eos_tokens=ends, temperature=sampling.temperature, top_p=1.0, top_k=None,
+            seed=seed, return_logprobs=True,
+        )  # fmt: skip
+
+    before = compiles[0]
+    call(0)  # compile
+    info = {"compile_count": compiles[0] - before}
+
+    def measure(rep: int) -> dict[str, float]:
+        wall, out = timed(lambda: call(rep + 1))
+        # Tunix drops the stop token from its output; count it as generated, as we do.
+        tokens = sum(min(len(t) + 1, profile.max_new_tokens) for t in out.tokens)
+        return {"wall_s": wall, "tokens": tokens}
+
+    return measure, info
+
+
+def floor_arm(profile, params, batch: int, steps: int = 32) -> tuple[Measure, dict]:
+    """Our decode step alone (cache donated) in a tight loop, and our prefill alone, jitted."""
+    prompt_bucket = pow2_at_least(profile.prompt_lengths[1])
+    cache_len = prompt_bucket + pow2_at_least(profile.max_new_tokens)
+    device = jax.devices()[0]
+    params = jax.device_put(unflatten_tree(flatten_tree(params)), device)
+    step = jax.jit(lambda p, c, t, pos: fwd.decode_step(MODEL, p, c, t, pos), donate_argnums=1)
+    prefill = jax.jit(lambda p, t, n: fwd.prefill(MODEL, p, t, n))
+    kv_shape = (batch, cache_len, MODEL.num_kv_heads, MODEL.head_dim)
+    cache = [(jnp.zeros(kv_shape), jnp.zeros(kv_shape)) for _ in range(MODEL.num_layers)]
+    state = {"cache": jax.device_put(cache, device)}
+    tokens = jax.device_put(jnp.full((batch,), 5, jnp.int32), device)
+    positions = [
+        jax.device_put(jnp.full((batch,), prompt_bucket + i), device) for i in range(steps)
+    ]
+    n = profile.requests
+    prompt_tokens = jax.device_put(jnp.full((n, prompt_bucket), 5, jnp.int32), device)
+    lengths = jax.device_put(jnp.full((n,), prompt_bucket, jnp.int32), device)
+
+    def run_steps() -> None:
+        cache = state["cache"]
+        for pos in positions:
+            logits, cache = step(params, cache, tokens, pos)
+        state["cache"] = cache
+        logits.block_until_ready()
+
+    def run_prefill() -> None:
+        jax.block_until_ready(prefill(params, prompt_tokens, lengths))
+
+    run_steps()  # compile
+    run_prefill()
+
+    def measure(rep: int) -> dict[str, float]:
+        return {
+            "step_ms": timed(run_steps)[0] / steps * 1e3,
+            "prefill_ms": timed(run_prefill)[0] * 1e3,
+        }
+
+    return measure, {"batch": batch}
+
+
+def tokens_per_s(records: list[dict[str, float]]) -> list[float]:
+    return [r["tokens"] / r["wall_s"] for r in records]
+
+
+def column(records: list[dict[str, float]], key: str) -> list[float]:
+    return [r[key] for r in records]
+
+
+def run(profile: EngineProfile) -> dict[str, Any]:
+    """Warm every arm up, then run the arms interleaved, once each per repeat, so that load
+    from other processes hits them alike."""
+    compiles = [0]
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _s, **_: (
+            compiles.__setitem__(0, compiles[0] + 1)
+            if event == "/jax/core/compile/backend_compile_duration"
+            else None
+        )
+    )
+    with jax.default_device(jax.devices()[0]):
+        model = qwen3.Qwen3(MODEL, rngs=nnx.Rngs(0))
+    params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    prompts = make_prompts(profile, MODEL.vocab_size)
+    sampling = SamplingParams(
+        max_new_tokens=profile.max_new_tokens, temperature=1.0, ignore_eos=profile.ignore_eos,
+        stop_token_ids=profile.stop_token_ids,
+    )  # fmt: skip
+    arms = {"engine": engine_arm(profile, params, prompts, sampling, continuous=True)}
+    if not profile.ignore_eos:
+        arms["engine_no_cb"] = engine_arm(profile, params, prompts, sampling, continuous=False)
+    arms["tunix"] = tunix_arm(profile, model, prompts, sampling, compiles)
+    arms["floor"] = floor_arm(profile, params, arms["engine"][1]["decode_batch"])
+    records: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
+    for rep in range(profile.repeats):
+        for name, (measure, _) in arms.items():
+            records[name].append(measure(rep))
+    engine, tunix, floor = records["engine"], records["tunix"], records["floor"]
+    prefill_ms = float(np.median(column(floor, "prefill_ms")))
+    iterations = float(np.median(column(engine, "iterations")))
+    engine_iteration = (np.median(column(engine, "wall_s")) * 1e3 - prefill_ms) / iterations
+    floor_iteration = float(np.median(column(floor, "step_ms")))
+    ratio, low, high = bootstrap_ratio(tokens_per_s(engine), tokens_per_s(tunix))
+    result = {
+        "profile": dataclasses.asdict(profile),
+        "model": {k: getattr(MODEL, k) for k in ("num_layers", "vocab_size", "embed_dim",
+                                                 "hidden_dim", "num_heads", "num_kv_heads")},
+        "device": str(jax.devices()[0]),
+        "engine_tokens_per_s": spread(tokens_per_s(engine))["median"],
+        "engine_tokens_per_s_spread": spread(tokens_per_s(engine)),
+        "tunix_sampler_tokens_per_s": spread(tokens_per_s(tunix))["median"],
+        "tunix_sampler_tokens_per_s_spread": spread(tokens_per_s(tunix)),
+        "tokens_per_s_ratio_vs_tunix": ratio,
+        "tokens_per_s_ratio_vs_tunix_ci95": [low, high],
+        "iteration_ms": float(engine_iteration),
+        "floor_iteration_ms": floor_iteration,
+        "floor_iteration_ms_spread": spread(column(floor, "step_ms")),
+        "iteration_vs_floor_ratio": float(engine_iteration / floor_iteration),
+        "prefill_ms": prefill_ms,
+        "engine_decode_iterations": iterations,
+        "engine_compile_count": arms["engine"][1]["compile_count"],
+        "tunix_compile_count": arms["tunix"][1]["compile_count"],
+        "arm_info": {name: info for name, (_, info) in arms.items()},
+        "records": records,
+    }  # fmt: skip
+    if "engine_no_cb" in records:
+        no_cb = records["engine_no_cb"]
+        result["no_cb_tokens_per_s"] = spread(tokens_per_s(no_cb))["median"]
+        result["no_cb_decode_iterations"] = float(np.median(column(no_cb, "iterations")))
+        result["cb_speedup_vs_one_batch"] = bootstrap_ratio(
+            tokens_per_s(engine), tokens_per_s(no_cb)
+        )
+    return result
+
+
+def print_table(result: dict[str, Any]) -> None:
+    records, info = result["records"], result["arm_info"]
+    rows = [
+        ("engine (CB)", "engine"),
+        ("engine (no CB)", "engine_no_cb"),
+        ("tunix Sampler", "tunix"),
+    ]
+    print(f"profile {result['profile']['name']}  model {result['model']}  {result['device']}")
+    print(f"{'arm':<16}{'tokens/s':>10}{'IQR':>8}{'wall s':>9}{'tokens':>8}{'compiles':>10}")
+    for label, name in rows:
+        if name not in records:
+            continue
+        tps = spread(tokens_per_s(records[name]))
+        print(
+            f"{label:<16}{tps['median']:>10.0f}{tps['iqr']:>8.0f}"
+            f"{np.median(column(records[name], 'wall_s')):>9.3f}"
+            f"{np.median(column(records[name], 'tokens')):>8.0f}{info[name]['compile_count']:>10}"
+        )
+    low, high = result["tokens_per_s_ratio_vs_tunix_ci95"]
+    ratio = result["tokens_per_s_ratio_vs_tunix"]
+    print(f"tokens/s ratio vs tunix {ratio:.2f} [95% CI {low:.2f}, {high:.2f}]")
+    print(
+        f"iteration {result['iteration_ms']:.2f} ms over {result['engine_decode_iterations']:.0f} "
+        f"iterations; floor step {result['floor_iteration_ms']:.2f} ms "
+        f"(IQR {result['floor_iteration_ms_spread']['iqr']:.2f}, batch {info['floor']['batch']}); "
+        f"ratio {result['iteration_vs_floor_ratio']:.2f}; "
+        f"prefill floor {result['prefill_ms']:.1f} ms"
+    )
+    if "cb_speedup_vs_one_batch" in result:
+        speedup, low, high = result["cb_speedup_vs_one_batch"]
+        print(
+            f"continuous batching vs one batch: {speedup:.2f}x [95% CI {low:.2f}, {high:.2f}] "
+            f"({result['engine_decode_iterations']:.0f} vs "
+            f"{result['no_cb_decode_iterations']:.0f} iterations)"
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--profile", choices=sorted(PROFILES), default="gsm8k-cpu")
+    parser.add_argument("--json", help="write the full result here")
+    args = parser.parse_args(argv)
+    result = run(PROFILES[args.profile])
+    print_table(result)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
