@@ -29,6 +29,9 @@ class Config:
     seed: int = 0
     steps: int = 100
     log_period: int = 1
+    enable_checkpointing: bool = False
+    checkpoint_period: int = 50  # steps between checkpoints (and one after the last step)
+    max_num_checkpoints_to_keep: int = 2
 
     # Model (MaxText `base_*` names for the shape of a tiny Qwen3; `model_name` picks presets).
     model_name: str = "qwen3-tiny"
@@ -109,6 +112,10 @@ class Config:
     @property
     def run_dir(self) -> Path:
         return Path(self.base_output_directory) / self.run_name
+
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
 
     def replace(self, **changes: Any) -> Config:
         return load_config(None, overrides=changes, base=self)
@@ -230,7 +237,7 @@ def _validate(cfg: Config) -> None:
     for key, choices in _CHOICES.items():
         if getattr(cfg, key) not in choices:
             raise ConfigError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(choices)}")
-    positive = ("steps", "batch_size", "num_generations", "max_prefill_predict_length",
+    positive = ("steps", "batch_size", "checkpoint_period", "max_num_checkpoints_to_keep", "num_generations", "max_prefill_predict_length",
                 "rollout_tensor_parallelism", "rl_metrics_queue_size")
     for key in positive:
         if getattr(cfg, key) <= 0:

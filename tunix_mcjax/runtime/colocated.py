@@ -19,6 +19,7 @@ import jax
 import numpy as np
 
 from tunix_mcjax import admission, metrics, models, packing, rewards, topology
+from tunix_mcjax.checkpoint import Checkpointer
 from tunix_mcjax.config import Config, ConfigError
 from tunix_mcjax.engine import Completion, Engine, SamplingParams
 from tunix_mcjax.publish import Publisher
@@ -104,6 +105,9 @@ class ColocatedRuntime:
         self.publisher = Publisher(self.mesh, cfg.rl_publish_weights_single_call)
         self.watchdog = topology.Watchdog(topo.host, cfg.collective_timeout_s)
         self.sampling = sampling_params(cfg, self.eos_id)
+        self.checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.max_num_checkpoints_to_keep) \
+            if cfg.enable_checkpointing else None
+        self.start_step = self._maybe_restore()
         with self.watchdog.guard("publish"):
             self.publisher.publish(self.trainer.engine_params(), self.engine)
 
@@ -116,6 +120,29 @@ class ColocatedRuntime:
         self._pending: tuple[int, dict] | None = None  # last step's host record, not yet global
         self._step_start: dict[int, float] = {}
         self._compiles = self._compile_count()
+
+    # --- checkpoints -----------------------------------------------------------------------
+
+    def _maybe_restore(self) -> int:
+        """Resumes from the latest checkpoint in the run directory; returns the first step."""
+        step = self.checkpointer.latest_step() if self.checkpointer else None
+        if step is None:
+            return 0
+        with self.watchdog.guard("restore"):
+            state = self.checkpointer.restore(step, self._train_state())
+        self.trainer.params, self.trainer.opt_state = state["params"], state["opt_state"]
+        if self.topo.is_leader:
+            print(f"resumed from {self.cfg.checkpoint_dir} step {step}", flush=True)
+        return step + 1
+
+    def _train_state(self) -> dict:
+        return {"params": self.trainer.params, "opt_state": self.trainer.opt_state}
+
+    def _maybe_save(self, step: int) -> None:
+        last = step == self.cfg.steps - 1
+        if self.checkpointer and (last or (step + 1) % self.cfg.checkpoint_period == 0):
+            with self.watchdog.guard("checkpoint"):
+                self.checkpointer.save(step, self._train_state())
 
     # --- phases ----------------------------------------------------------------------------
 
@@ -276,21 +303,27 @@ class ColocatedRuntime:
     def run(self) -> dict | None:
         """All steps, then host 0 writes and returns summary.json."""
         try:
-            for step in range(self.cfg.steps):
+            for step in range(self.start_step, self.cfg.steps):
                 self.step(step)
-                if step == 0 and self.cfg.rl_gc_freeze_after_warmup:
+                self._maybe_save(step)
+                if step == self.start_step and self.cfg.rl_gc_freeze_after_warmup:
                     freeze_gc()
             if self._pending is not None:
                 self._flush_metrics()
         finally:
+            if self.checkpointer:
+                self.checkpointer.close()
             self.exporter.close()
             self.host_log.close()
             if self.step_log:
                 self.step_log.close()
         return self._write_summary() if self.topo.is_leader else None
 
-    def _write_summary(self) -> dict:
+    def _write_summary(self) -> dict | None:
         recs = sorted(self.step_records, key=lambda r: r["step"])
+        if not recs:
+            print(f"nothing to run: the checkpoint already covers steps={self.cfg.steps}")
+            return None
         steady = [r for r in recs if not r["compiled"]] or recs
 
         def mean(key, part):
