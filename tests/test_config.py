@@ -65,5 +65,5 @@ def test_over_long_prompt_is_rejected():
 
     tok = char_tokenizer()
     assert [len(t) for t in tokenize_prompts(tok, ["1=", "12="], 4)] == [3, 4]
-    with pytest.raises(ConfigError, match=r"prompt 1 has 5 tokens, over max_prefill_predict_length=4"):
+    with pytest.raises(ConfigError, match=r"prompt 1 has 5 tokens, over max_prefill_predict"):
         tokenize_prompts(tok, ["1=", "123="], 4)
