@@ -57,10 +57,11 @@ PROFILES = {p.name: p for p in (
     Profile("gsm8k", "balanced", 128, 16, 512, 2048, (256, 511), QWEN3_0P6B),
     Profile("numina", "decode-heavy", 256, 8, 4096, 8192, (1024, 4095), QWEN3_0P6B),
     Profile("swe", "prefill-heavy", 256, 8, 15360, 1024, (8192, 15359), QWEN3_0P6B),
-    # The same three characters, scaled to run on two CPU cores in minutes (tiny Qwen3).
-    Profile("gsm8k-cpu", "balanced", 8, 8, 32, 64, (12, 31)),
-    Profile("numina-cpu", "decode-heavy", 16, 4, 32, 160, (12, 31)),
-    Profile("swe-cpu", "prefill-heavy", 16, 4, 256, 16, (160, 255)),
+    # The same three characters at the paper's group sizes and prompt:response shapes, 64 rows
+    # per step and a tiny Qwen3, so that each arm runs on two CPU cores in minutes.
+    Profile("gsm8k-cpu", "balanced", 4, 16, 32, 128, (12, 31)),
+    Profile("numina-cpu", "decode-heavy", 8, 8, 32, 192, (12, 31)),
+    Profile("swe-cpu", "prefill-heavy", 8, 8, 256, 16, (160, 255)),
 )}
 
 

@@ -16,6 +16,9 @@ from tunix_mcjax.bench.equal_work import RunLog, check_equal_work
 
 PHASES = ("admit", "generate", "reward", "pack", "train", "publish")
 DEVICE_PHASES = ("generate", "train")
+# Tunix admits inside generate and packs inside its loop, so gaps compare these groups.
+GAP_GROUPS = {"rollout": ("admit", "generate"), "reward": ("reward",), "train": ("train",),
+              "publish": ("publish",), "pack+other": ("pack", "other")}
 HOST_SHARE = (
     "Host share is the part of a step spent outside the two phases that run the model on the "
     "devices, generate and train: 1 - (generate + train) / step, median over scored steps. It "
@@ -27,22 +30,38 @@ HOST_SHARE = (
 
 @dataclasses.dataclass(frozen=True)
 class ArmRun:
-    """One arm at one host count: its log and how it ran."""
+    """One arm at one host count: each launch's log and metadata. Statistics pool launches."""
 
     arm: str
     hosts: int
-    log: RunLog
-    meta: dict
+    launches: tuple[RunLog, ...]
+    meta: tuple[dict, ...]
+
+    @property
+    def log(self) -> RunLog:
+        if len(self.launches) == 1:
+            return self.launches[0]
+        return RunLog("+".join(run.name for run in self.launches),
+                      tuple(r for run in self.launches for r in run.records))
 
 
-def phase_table(run: RunLog, first_scored: int) -> dict[str, float]:
-    """Median seconds per phase over scored steps; `other` is the step outside all phases."""
+def phase_table(run: RunLog, first_scored: int, reduce=np.median) -> dict[str, float]:
+    """Seconds per phase over scored steps; `other` is the step outside all phases."""
     scored = run.scored(first_scored)
     present = [p for p in PHASES if any(p in r["phase_s"] for r in scored)]
-    table = {p: float(np.median([r["phase_s"].get(p, 0.0) for r in scored])) for p in present}
-    table["other"] = float(np.median(
+    table = {p: float(reduce([r["phase_s"].get(p, 0.0) for r in scored])) for p in present}
+    table["other"] = float(reduce(
         [r["step_s"] - sum(r["phase_s"].get(p, 0.0) for p in present) for r in scored]))
     return table
+
+
+def gap_by_phase(arm: dict, ref: dict) -> dict[str, float]:
+    """Where the mean step-time gap (arm - ref) sits, by phase group (Appendix C: means add)."""
+    def total(a: dict, phases: tuple[str, ...]) -> float:
+        return sum(a["phase_mean_s"].get(p, 0.0) for p in phases)
+    gaps = {g: total(arm, ps) - total(ref, ps) for g, ps in GAP_GROUPS.items()}
+    gaps["step"] = arm["mean_step_s"] - ref["mean_step_s"]
+    return gaps
 
 
 def host_share(run: RunLog, first_scored: int) -> float:
@@ -63,11 +82,13 @@ def arm_summary(a: ArmRun, first_scored: int) -> dict:
         "median_step_s": float(np.median(step_s)),
         "median_s_per_1k_tokens": float(np.median(stats.per_token(step_s, tokens)) * 1e3),
         "phase_median_s": phase_table(a.log, first_scored),
+        "mean_step_s": float(np.mean(step_s)),
+        "phase_mean_s": phase_table(a.log, first_scored, np.mean),
         "host_share": host_share(a.log, first_scored),
         "steady_steps": len(scored),
         "compiled_scored_steps": len(second_pass) - len(scored),
         "reward_mean": float(np.mean([r.get("reward_mean", np.nan) for r in scored])),
-        **a.meta,
+        "launches": list(a.meta),
     }
 
 
@@ -85,6 +106,15 @@ def ratio(num: RunLog, den: RunLog, first_scored: int, seed: int) -> dict:
                  for log in (num, den)]
         out["with_compile"] = float(np.median(every[0]) / np.median(every[1]))
     return out
+
+
+def equal_work(ref: ArmRun, other: ArmRun, first_scored: int) -> dict:
+    """The equal-work rule launch by launch (launch i of one arm against launch i of the other)."""
+    checks = [check_equal_work(a, b, first_scored)
+              for a, b in zip(ref.launches, other.launches, strict=True)]
+    problems = [f"launch {i}: {p}" if len(checks) > 1 else p
+                for i, c in enumerate(checks) for p in c.problems]
+    return {"ok": not problems, "problems": problems, "summary": [c.summary for c in checks]}
 
 
 def moved_phase(base: dict, variant: dict) -> dict:
@@ -113,8 +143,10 @@ def build_report(runs: list[ArmRun], reference: str, first_scored: int, *, ablat
                 ratios[key] = ratio(num, den, first_scored, seed)
                 if ablation:
                     ratios[key]["moved"] = moved_phase(arms[ref], arms[name])
+                else:
+                    ratios[key]["gap_by_phase_s"] = gap_by_phase(arms[name], arms[ref])
                 if ref == reference:
-                    pairs[name] = check_equal_work(at[ref].log, r.log, first_scored).as_dict()
+                    pairs[name] = equal_work(at[ref], r, first_scored)
         by_hosts[str(hosts)] = {
             "hosts": hosts, "arms": arms, "ratios": ratios,
             "equal_work": {"ok": all(p["ok"] for p in pairs.values()), "pairs": pairs},
@@ -145,15 +177,26 @@ def markdown(report: dict) -> str:
             lines.append(f"| {name} | {a['median_step_s']:.3f} | {a['median_s_per_1k_tokens']:.3f}"
                          f" | {a['host_share']:.0%} | " + " | ".join(cells)
                          + f" | {a['steady_steps']} |")
-        lines += ["", "| ratio | per step | per token | faster (both lower bounds > "
-                  f"{stats.FASTER_MARGIN}) |" + (" phase moved most |" if report["ablation"]
-                                                   else ""),
+        verdict = ("step-time change (per-step interval excludes 1) | phase moved most"
+                   if report["ablation"] else
+                   f"faster (both lower bounds > {stats.FASTER_MARGIN})")
+        lines += ["", f"| ratio | per step | per token | {verdict} |",
                   "|---|---|---|---|" + ("---|" if report["ablation"] else "")]
         for name, r in at["ratios"].items():
-            moved = (f" {r['moved']['phase']} ({r['moved']['delta_s']:+.3f} s) |"
-                     if "moved" in r else "")
-            lines.append(f"| {name} | {_fmt_ci(r)} | {_fmt_ci(r['per_token'])} | "
-                         f"{'yes' if r['faster'] else 'no'} |{moved}")
+            if report["ablation"]:
+                change = ("faster" if r["ci_low"] > 1 else "slower" if r["ci_high"] < 1
+                          else "none resolved")
+                cell = f"{change} | {r['moved']['phase']} ({r['moved']['delta_s']:+.3f} s)"
+            else:
+                cell = "yes" if r["faster"] else "no"
+            lines.append(f"| {name} | {_fmt_ci(r)} | {_fmt_ci(r['per_token'])} | {cell} |")
+        if not report["ablation"]:
+            lines += ["", "Mean step-time gap to the reference by phase group (s; means add):", "",
+                      "| ratio | " + " | ".join((*GAP_GROUPS, "step")) + " |",
+                      "|---" * (len(GAP_GROUPS) + 2) + "|"]
+            for name, r in at["ratios"].items():
+                lines.append(f"| {name} | " + " | ".join(
+                    f"{v:+.3f}" for v in r["gap_by_phase_s"].values()) + " |")
         ew = at["equal_work"]
         lines += ["", f"Equal work: {'ok' if ew['ok'] else 'FAILED'}"]
         for name, p in ew["pairs"].items():
@@ -174,15 +217,19 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
     import matplotlib.pyplot as plt
 
     paths = []
-    bars = [(f"{name}\n{h}h" if len(report["by_hosts"]) > 1 else name, a["phase_median_s"])
+    bars = [(f"{name}\n{h}h" if len(report["by_hosts"]) > 1 else name, a)
             for h, at in report["by_hosts"].items() for name, a in at["arms"].items()]
+    labels = [b[0] for b in bars]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(bars)), 4))
     bottom = np.zeros(len(bars))
     for phase in (*PHASES, "other"):
-        heights = np.array([max(ph.get(phase, 0.0), 0.0) for _, ph in bars])
+        heights = np.array([max(a["phase_median_s"].get(phase, 0.0), 0.0) for _, a in bars])
         if heights.any():
-            ax.bar([b[0] for b in bars], heights, bottom=bottom, label=phase)
+            ax.bar(labels, heights, bottom=bottom, label=phase)
             bottom += heights
+    for x, (_, a) in enumerate(bars):
+        ax.annotate(f"{a['median_step_s']:.3f}s", (x, bottom[x]), ha="center", va="bottom",
+                    fontsize=8)
     ax.set_ylabel("median seconds per step")
     ax.set_title(f"{report['profile']}: step time by phase")
     ax.legend(fontsize=8)
