@@ -14,6 +14,7 @@ $(VENV)/.installed: setup.py constraints.txt
 	$(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
+	$(PY) -m pip install -q -c constraints.txt -e '.[maxtext]' && $(PY) -m tunix_mcjax.patches apply maxtext
 	touch $@
 
 demo: $(VENV)/.installed
