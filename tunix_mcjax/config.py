@@ -46,6 +46,7 @@ class Config:
     dtype: str = "float32"
     weight_dtype: str = "float32"
     init_weights_seed: int = 0
+    load_parameters_path: str = ""  # a local Hugging Face safetensors dir; empty: random init
 
     # Tokenizer and data.
     tokenizer_type: str = "char"  # char | huggingface

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from tunix.models.qwen3 import model as qwen3
+from tunix.models.qwen3 import params as qwen3_params
 
 from tunix_mcjax.config import Config, ConfigError
 
@@ -77,3 +78,21 @@ def create_model(mc: qwen3.ModelConfig, seed: int, mesh: jax.sharding.Mesh | Non
 
     with jax.set_mesh(mesh):
         return make()
+
+
+def load_model(mc: qwen3.ModelConfig, path: str, mesh: jax.sharding.Mesh | None = None):
+    """Qwen3 from a local Hugging Face safetensors directory (Tunix's loader), sharded on mesh."""
+    from pathlib import Path
+
+    if not Path(path).is_dir() or not any(Path(path).glob("*.safetensors")):
+        raise ConfigError(f"load_parameters_path={path!r} is not a directory with *.safetensors "
+                          "files (a Hugging Face Qwen3 checkpoint)")
+    return qwen3_params.create_model_from_safe_tensors(path, mc, mesh=mesh)
+
+
+def build_model(cfg: Config, mc: qwen3.ModelConfig, mesh: jax.sharding.Mesh | None = None):
+    """The run's starting policy: loaded from `load_parameters_path`, else random init."""
+    if cfg.load_parameters_path:
+        return load_model(mc, cfg.load_parameters_path, mesh)
+    return create_model(mc, cfg.init_weights_seed, mesh)
+

@@ -96,8 +96,7 @@ class ColocatedRuntime:
         self.mesh = topology.trainer_mesh(topo)
         vocab = len(self.tokenizer)
         if policy is None:
-            model = models.create_model(models.model_config(cfg, vocab), cfg.init_weights_seed,
-                                        self.mesh)
+            model = models.build_model(cfg, models.model_config(cfg, vocab), self.mesh)
             policy = qwen3_policy(model)
         self.trainer = Trainer(cfg, policy[0], policy[1], self.mesh)
         self.engine = engine_factory(cfg, models.model_config(cfg, vocab, for_sampling=True),
