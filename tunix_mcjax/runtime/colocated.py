@@ -9,11 +9,13 @@ the single-controller (Pathways) structure, built from the same parts, as a benc
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import json
 import statistics
 import time
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import numpy as np
@@ -74,33 +76,50 @@ def default_engine(cfg: Config, model_config, devices, pad_id: int, eos_id: int)
     )
 
 
+@dataclasses.dataclass
+class Components:
+    """What a run trains and samples with. Built from the config by default; the MaxText adapter
+    supplies its own (MaxText's model as the policy, its tokenizer, data and rewards)."""
+
+    tokenizer: Any
+    task: Task
+    mesh: jax.sharding.Mesh  # the trainer's global mesh; batch rows shard over its "fsdp" axis
+    policy: Policy
+    params: Any
+    engine_model_config: Any  # the engine's Tunix Qwen3 ModelConfig
+
+
+def default_components(cfg: Config, topo: topology.Topology) -> Components:
+    tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
+    mesh = topology.trainer_mesh(topo)
+    vocab = len(tokenizer)
+    model = models.build_model(cfg, models.model_config(cfg, vocab), mesh)
+    policy, params = qwen3_policy(model)
+    return Components(tokenizer, load_task(cfg), mesh, policy, params,
+                      models.model_config(cfg, vocab, for_sampling=True))
+
+
 class ColocatedRuntime:
     """One host's controller: owns its engine, its share of the batch, its metrics."""
 
     def __init__(self, cfg: Config, topo: topology.Topology,
-                 policy: tuple[Policy, object] | None = None,
+                 components: Components | None = None,
                  engine_factory: EngineFactory = default_engine):
         cfg.validate_topology(topo.num_hosts, len(topo.local_devices))
         self.cfg, self.topo = cfg, topo
-        self.tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
+        parts = components or default_components(cfg, topo)
+        self.tokenizer, self.task, self.mesh = parts.tokenizer, parts.task, parts.mesh
         self.pad_id = self.tokenizer.pad_token_id
         self.eos_id = self.tokenizer.eos_token_id
-        self.task: Task = load_task(cfg)
         self.reward_fns = rewards.resolve_reward_fns(cfg.reward_functions, self.task)
         self.prompt_tokens = tokenize_prompts(self.tokenizer, self.task.prompts,
                                               cfg.max_prefill_predict_length)
         self.prompt_lengths = np.array([len(t) for t in self.prompt_tokens])
         self.output_len_sum = np.zeros(len(self.prompt_tokens))  # for O3's expected output
         self.output_len_count = np.zeros(len(self.prompt_tokens))
-
-        self.mesh = topology.trainer_mesh(topo)
-        vocab = len(self.tokenizer)
-        if policy is None:
-            model = models.build_model(cfg, models.model_config(cfg, vocab), self.mesh)
-            policy = qwen3_policy(model)
-        self.trainer = Trainer(cfg, policy[0], policy[1], self.mesh)
-        self.engine = engine_factory(cfg, models.model_config(cfg, vocab, for_sampling=True),
-                                     list(topo.local_devices), self.pad_id, self.eos_id)
+        self.trainer = Trainer(cfg, parts.policy, parts.params, self.mesh)
+        self.engine = engine_factory(cfg, parts.engine_model_config, list(topo.local_devices),
+                                     self.pad_id, self.eos_id)
         self.publisher = Publisher(self.mesh, cfg.rl_publish_weights_single_call)
         self.watchdog = topology.Watchdog(topo.host, cfg.collective_timeout_s)
         self.sampling = sampling_params(cfg, self.eos_id)
