@@ -15,6 +15,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from tunix_mcjax import config, models  # noqa: E402
 from tunix_mcjax.engine.base import SamplingParams  # noqa: E402
 from tunix_mcjax.engine.jax_engine import JaxEngine  # noqa: E402
+from tunix_mcjax.engine.sampling import SamplerSpec, sample  # noqa: E402
 
 VOCAB = 99
 PAD = 0
@@ -143,6 +144,36 @@ def test_eos_and_stop_tokens_end_the_sequence(engine, greedy_reference, eos_id):
     assert out.tokens.tolist() == greedy_reference[: at + 1] and out.finish_reason == "stop"
     out = engine.generate(PROMPTS, GREEDY, seed=0)[0]
     assert out.tokens.tolist() == greedy_reference and out.finish_reason == "length"
+
+
+def test_repeated_prompts_share_prefill_but_sample_independently(engine, model):
+    prompts = [PROMPTS[1]] * 3 + [PROMPTS[0]] * 3  # GRPO-style groups
+    out = engine.generate(prompts, SAMPLE, seed=6)
+    for prompt, completion in zip(prompts, out, strict=True):
+        seq = prompt + completion.tokens.tolist()
+        logits = full_logits(model, seq)[len(prompt) - 1 : -1] / SAMPLE.temperature
+        want = jax.nn.log_softmax(logits)[np.arange(len(completion.tokens)), completion.tokens]
+        np.testing.assert_allclose(completion.logprobs, want, atol=1e-4)
+    assert len({tuple(c.tokens.tolist()) for c in out[:3]}) == 3
+
+
+def test_sampler_draws_from_the_distribution():
+    probs = np.array([0.5, 0.0, 0.2, 0.3, 0.0], np.float32)
+    logits = jnp.log(jnp.asarray(probs))[None].repeat(20_000, axis=0)
+    keys = jax.random.split(jax.random.PRNGKey(0), 20_000)
+    spec = SamplerSpec(greedy=False, top_k=0, top_p=False)
+    tokens, logprobs = sample(spec, logits, keys, jnp.float32(1.0), jnp.float32(1.0), pad_id=4)
+    freq = np.bincount(np.asarray(tokens), minlength=5) / 20_000
+    np.testing.assert_allclose(freq, probs, atol=0.015)
+    np.testing.assert_allclose(np.asarray(logprobs), np.log(probs[np.asarray(tokens)]), atol=1e-6)
+    top2 = SamplerSpec(greedy=False, top_k=2, top_p=False)
+    tokens, _ = sample(top2, logits, keys, jnp.float32(1.0), jnp.float32(1.0), pad_id=4)
+    freq = np.bincount(np.asarray(tokens), minlength=5) / 20_000
+    np.testing.assert_allclose(freq, [0.625, 0, 0, 0.375, 0], atol=0.015)
+    nucleus = SamplerSpec(greedy=False, top_k=0, top_p=True)
+    tokens, _ = sample(nucleus, logits, keys, jnp.float32(1.0), jnp.float32(0.6), pad_id=4)
+    freq = np.bincount(np.asarray(tokens), minlength=5) / 20_000
+    np.testing.assert_allclose(freq, [0.625, 0, 0, 0.375, 0], atol=0.015)
 
 
 def test_seed_reproduces_and_different_seeds_differ(engine):

@@ -7,7 +7,7 @@ Same random-init Qwen3, prompts and sampling for every arm:
   cheapest sampling path for plain temperature sampling (`top_p=1.0`, no top-k), logprobs on
   (an RL rollout needs them, and our engine always returns them), a fresh seed per repeat;
 * floor: our jitted decode step alone (batch x 1 token with KV cache, cache donated) in a tight
-  loop, and our prefill alone.
+  loop, and our prefill alone (of the distinct prompts, which is what the engine prefills).
 
 Engine `iteration_ms` = (median generate wall - prefill floor) / decode iterations, so it charges
 sampling, stop checks and loop bookkeeping to the iteration; `iteration_vs_floor_ratio` compares
@@ -204,7 +204,7 @@ def floor_arm(profile, params, batch: int, steps: int = 32) -> tuple[Measure, di
     positions = [
         jax.device_put(jnp.full((batch,), prompt_bucket + i), device) for i in range(steps)
     ]
-    n = profile.requests
+    n = profile.prompts  # the engine prefills each distinct prompt once
     prompt_tokens = jax.device_put(jnp.full((n, prompt_bucket), 5, jnp.int32), device)
     lengths = jax.device_put(jnp.full((n,), prompt_bucket, jnp.int32), device)
 

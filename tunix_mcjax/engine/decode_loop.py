@@ -1,9 +1,11 @@
 """The on-device generation program: batched prefill, then a `lax.while_loop` of decode steps.
 
-The batch has `num_slots` rows. With `num_requests > num_slots` (continuous batching) a row whose
-sequence ends takes the next waiting request in the same loop iteration: that request is
-prefilled alone into the row's cache, so the whole share decodes as one batch without waves.
-The loop stops as soon as no row is active and no request waits.
+Each distinct prompt is prefilled once (GRPO sends every prompt `num_generations` times); its
+keys/values and last-position logits form a prompt store that rows copy from. The batch has
+`num_slots` rows. With `num_requests > num_slots` (continuous batching) a row whose sequence
+ends takes the next waiting request in the same loop iteration by copying that request's
+prompt from the store, so the whole share decodes as one batch without waves. The loop stops
+as soon as no row is active and no request waits.
 
 Randomness is per request and token: token j of request i uses
 `fold_in(fold_in(key, first_request_index + i), j)`, so a request's sample does not depend on
@@ -32,6 +34,7 @@ class ProgramShape:
 
     num_requests: int
     num_slots: int
+    num_prompts: int  # distinct prompts
     prompt_len: int
     max_new: int
 
@@ -44,8 +47,9 @@ class ProgramShape:
 class Inputs:
     """Per-call device inputs of the program (everything dynamic)."""
 
-    prompts: jax.Array  # int32 [N, prompt_len], right-padded
-    prompt_lens: jax.Array  # int32 [N]; 0 marks a padding request (only at the end)
+    prompts: jax.Array  # int32 [num_prompts, prompt_len], distinct prompts, right-padded
+    prompt_lens: jax.Array  # int32 [num_prompts]; 0 for padding
+    request_prompts: jax.Array  # int32 [N]: each request's prompt; -1 pads (only at the end)
     key: jax.Array  # PRNGKey of the replica
     first_request_index: jax.Array  # int32, index of request 0 in the replica's share
     temperature: jax.Array  # float32
@@ -99,24 +103,27 @@ def build_program(
         state["out_lengths"] = state["out_lengths"].at[rows].set(counts + 1, mode="drop")
         return state
 
-    def initial_state(params, inp: Inputs) -> dict[str, Any]:
-        prompts, lens = inp.prompts[:b], inp.prompt_lens[:b]
-        logits, kv = fwd.prefill(cfg, params, prompts, jnp.maximum(lens, 1))
+    def initial_state(inp: Inputs, store) -> dict[str, Any]:
+        store_logits, store_kv = store
+        requests = jnp.arange(b, dtype=jnp.int32)
+        real = inp.request_prompts[:b] >= 0
+        prompt = jnp.maximum(inp.request_prompts[:b], 0)
         pad = ((0, 0), (0, shape.max_new), (0, 0), (0, 0))
         cache = [
-            tuple(jax.lax.with_sharding_constraint(jnp.pad(x, pad), cache_sharding) for x in kv_i)
-            for kv_i in kv
+            tuple(
+                jax.lax.with_sharding_constraint(jnp.pad(x[prompt], pad), cache_sharding)
+                for x in kv_i
+            )
+            for kv_i in store_kv
         ]
-        requests = jnp.arange(b, dtype=jnp.int32)
         zeros = jnp.zeros((b,), jnp.int32)
-        tokens, logprobs = draw(logits, inp, requests, zeros)
-        real = lens > 0
+        tokens, logprobs = draw(store_logits[prompt], inp, requests, zeros)
         state = {
             "cache": cache,
             "requests": requests,
             "counts": zeros + 1,
             "tokens": tokens,
-            "positions": lens,
+            "positions": inp.prompt_lens[prompt],
             "active": real & ~ends(inp, tokens, zeros + 1),
             "next_request": jnp.int32(b),
             "iterations": jnp.int32(0),
@@ -126,40 +133,42 @@ def build_program(
         }
         return record(state, requests, zeros, tokens, logprobs, real)
 
-    def admit_one(params, inp: Inputs, state):
-        """Prefill the next waiting request into the first free row and sample its first token."""
+    def admit_one(inp: Inputs, store, state):
+        """Copy the next waiting request's prompt into the first free row; sample token 0."""
+        store_logits, store_kv = store
         slot = jnp.argmin(state["active"])
         request = state["next_request"]
-        prompt = jax.lax.dynamic_slice_in_dim(inp.prompts, request, 1)
-        length = jax.lax.dynamic_slice_in_dim(inp.prompt_lens, request, 1)
-        logits, kv = fwd.prefill(cfg, params, prompt, length)
+        prompt = inp.request_prompts[request]
         state["cache"] = [
             tuple(
-                jax.lax.dynamic_update_slice(c, x, (slot, 0, 0, 0))
+                jax.lax.dynamic_update_slice(
+                    c, jax.lax.dynamic_slice_in_dim(x, prompt, 1), (slot, 0, 0, 0)
+                )
                 for c, x in zip(cache_i, kv_i, strict=True)
             )
-            for cache_i, kv_i in zip(state["cache"], kv, strict=True)
+            for cache_i, kv_i in zip(state["cache"], store_kv, strict=True)
         ]
         zero = jnp.zeros((1,), jnp.int32)
+        logits = jax.lax.dynamic_slice_in_dim(store_logits, prompt, 1)
         token, logprob = draw(logits, inp, request[None], zero)
         state = record(state, request[None], zero, token, logprob, jnp.ones((1,), bool))
         state["requests"] = state["requests"].at[slot].set(request)
         state["counts"] = state["counts"].at[slot].set(1)
         state["tokens"] = state["tokens"].at[slot].set(token[0])
-        state["positions"] = state["positions"].at[slot].set(length[0])
+        state["positions"] = state["positions"].at[slot].set(inp.prompt_lens[prompt])
         state["active"] = state["active"].at[slot].set(~ends(inp, token, zero + 1)[0])
         state["next_request"] = request + 1
         return state
 
-    def admit_waiting(params, inp: Inputs, state):
-        num_real = jnp.sum(inp.prompt_lens > 0)
+    def admit_waiting(inp: Inputs, store, state):
+        num_real = jnp.sum(inp.request_prompts >= 0)
 
         def has_room(s):
             return jnp.any(~s["active"]) & (s["next_request"] < num_real)
 
-        return jax.lax.while_loop(has_room, lambda s: admit_one(params, inp, s), state)
+        return jax.lax.while_loop(has_room, lambda s: admit_one(inp, store, s), state)
 
-    def decode_iteration(params, inp: Inputs, state):
+    def decode_iteration(params, inp: Inputs, store, state):
         logits, state["cache"] = fwd.decode_step(
             cfg, params, state["cache"], state["tokens"], state["positions"]
         )
@@ -173,15 +182,19 @@ def build_program(
         state["active"] = active & ~ends(inp, tokens, counts)
         state["iterations"] = state["iterations"] + 1
         if continuous:
-            state = admit_waiting(params, inp, state)
+            state = admit_waiting(inp, store, state)
         return state
 
     def program(params, inp: Inputs) -> Outputs:
-        state = initial_state(params, inp)
+        # The prompt store: last logits [U, V] and per-layer k/v [U, prompt_len, K, H].
+        store = fwd.prefill(cfg, params, inp.prompts, jnp.maximum(inp.prompt_lens, 1))
+        state = initial_state(inp, store)
         if continuous:
-            state = admit_waiting(params, inp, state)
+            state = admit_waiting(inp, store, state)
         state = jax.lax.while_loop(
-            lambda s: jnp.any(s["active"]), lambda s: decode_iteration(params, inp, s), state
+            lambda s: jnp.any(s["active"]),
+            lambda s: decode_iteration(params, inp, store, s),
+            state,
         )
         return Outputs(
             tokens=state["out_tokens"],

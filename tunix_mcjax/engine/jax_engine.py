@@ -70,6 +70,27 @@ def unflatten_tree(flat: Mapping[LeafPath, Any]) -> dict[str, Any]:
     return tree
 
 
+def pack_prompts(
+    prompts: Sequence[np.ndarray], pad_id: int, prompt_len: int, multiple: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Distinct prompts, right-padded: (tokens [U, prompt_len], lengths [U], request_prompts [N]).
+
+    N and U are powers of two rounded up to `multiple`; padding requests point at prompt -1.
+    """
+    distinct: dict[bytes, int] = {}
+    index = [distinct.setdefault(p.tobytes(), len(distinct)) for p in prompts]
+    n = -(-pow2_at_least(len(prompts)) // multiple) * multiple
+    u = -(-pow2_at_least(len(distinct)) // multiple) * multiple
+    request_prompts = np.full((n,), -1, np.int32)
+    request_prompts[: len(index)] = index
+    tokens = np.full((u, prompt_len), pad_id, np.int32)
+    lengths = np.zeros((u,), np.int32)
+    for prompt, i in zip(prompts, index, strict=True):
+        tokens[i, : len(prompt)] = prompt
+        lengths[i] = len(prompt)
+    return tokens, lengths, request_prompts
+
+
 def _leaf_specs(cfg: qwen3.ModelConfig, tp: int) -> dict[LeafPath, _LeafSpec]:
     """Expected shape/dtype of every param, and its sharding over a replica's `tp` axis.
 
@@ -296,20 +317,18 @@ class JaxEngine(Engine):
         stop_ids[: len(stops)] = stops
         pending, first = [], 0
         for batch in batches:
-            n = pow2_at_least(len(batch))
-            n = -(-n // data_size) * data_size
+            tokens, lens, request_prompts = pack_prompts(
+                [prompts[r] for r in batch], self.pad_id, prompt_bucket, data_size
+            )
+            n, u = len(request_prompts), len(lens)
             slots = n if self.lockstep else min(n, pow2_at_least(self.max_batch_size))
-            shape = ProgramShape(n, slots, prompt_bucket, new_bucket)
-            tokens = np.full((n, prompt_bucket), self.pad_id, np.int32)
-            lens = np.zeros((n,), np.int32)
-            for row, request in enumerate(batch):
-                tokens[row, : len(prompts[request])] = prompts[request]
-                lens[row] = len(prompts[request])
+            shape = ProgramShape(n, slots, u, prompt_bucket, new_bucket)
             batch_sharding = NamedSharding(mesh, P("data"))
             replicated = NamedSharding(mesh, P())
             inputs = Inputs(
                 prompts=jax.device_put(tokens, batch_sharding),
                 prompt_lens=jax.device_put(lens, batch_sharding),
+                request_prompts=jax.device_put(request_prompts, batch_sharding),
                 key=jax.device_put(key, replicated),
                 first_request_index=jax.device_put(np.int32(first), replicated),
                 temperature=jax.device_put(

@@ -4,6 +4,10 @@ Logprobs are of the sampled token under the model's full distribution at the sam
 temperature, `log_softmax(logits / T)`, taken before pad masking and top-k/top-p truncation
 (greedy uses T=1). That is what a trainer recomputes from the same logits, so importance ratios
 start at exactly 1 for an unchanged policy.
+
+Draws use inverse-CDF sampling: one uniform per row against the fp32 cumulative distribution.
+That is exact up to the rounding of the cumulative sum and needs B random numbers per step
+instead of the B x V Gumbel draws of `jax.random.categorical` (most of a CPU step's sampling).
 """
 
 from __future__ import annotations
@@ -29,6 +33,20 @@ class SamplerSpec:
         if sampling.greedy:
             return cls(greedy=True, top_k=0, top_p=False)
         return cls(greedy=False, top_k=min(sampling.top_k, vocab_size), top_p=sampling.top_p < 1.0)
+
+
+def inverse_cdf(keys: jax.Array, logits: jax.Array) -> jax.Array:
+    """Per row, the first index whose cumulative probability exceeds a uniform draw.
+
+    Zero-probability entries (-inf logits) are never chosen: the cumulative sum does not rise
+    at them. A draw that rounding puts at the very top takes the last entry with mass.
+    """
+    probs = jax.nn.softmax(logits, axis=-1)
+    cdf = jnp.cumsum(probs, axis=-1)
+    threshold = jax.vmap(jax.random.uniform)(keys) * cdf[:, -1]
+    index = jnp.sum(cdf <= threshold[:, None], axis=-1)
+    last_with_mass = logits.shape[-1] - 1 - jnp.argmax(probs[:, ::-1] > 0, axis=-1)
+    return jnp.minimum(index, last_with_mass)
 
 
 def sample(
@@ -57,7 +75,7 @@ def sample(
             probs = jax.nn.softmax(candidates, axis=-1)
             mass_before = jnp.cumsum(probs, axis=-1) - probs
             candidates = jnp.where(mass_before < top_p, candidates, -jnp.inf)
-        choice = jax.vmap(jax.random.categorical)(keys, candidates)
+        choice = inverse_cdf(keys, candidates)
         if vocab_ids is None:
             tokens = choice
         else:
