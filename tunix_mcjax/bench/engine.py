@@ -197,9 +197,7 @@ def floor_arm(profile, params, batch: int, steps: int = 32) -> tuple[Measure, di
     params = jax.device_put(unflatten_tree(flatten_tree(params)), device)
     step = jax.jit(lambda p, c, t, pos: fwd.decode_step(MODEL, p, c, t, pos), donate_argnums=1)
     prefill = jax.jit(lambda p, t, n: fwd.prefill(MODEL, p, t, n))
-    kv_shape = (batch, cache_len, MODEL.num_kv_heads, MODEL.head_dim)
-    cache = [(jnp.zeros(kv_shape), jnp.zeros(kv_shape)) for _ in range(MODEL.num_layers)]
-    state = {"cache": jax.device_put(cache, device)}
+    state = {"cache": jax.device_put(fwd.empty_cache(MODEL, batch, cache_len), device)}
     tokens = jax.device_put(jnp.full((batch,), 5, jnp.int32), device)
     positions = [
         jax.device_put(jnp.full((batch,), prompt_bucket + i), device) for i in range(steps)

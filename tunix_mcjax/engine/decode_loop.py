@@ -82,7 +82,7 @@ def build_program(
     """The pure function `(params, inputs) -> outputs` for one shape; jit it over `mesh`."""
     n, b = shape.num_requests, shape.num_slots
     continuous = n > b
-    cache_sharding = NamedSharding(mesh, P("data", None, "tp", None))
+    cache_sharding = NamedSharding(mesh, P("data", "tp", None, None))
 
     def key_for(inp: Inputs, request: jax.Array, token_index: jax.Array) -> jax.Array:
         request_key = jax.random.fold_in(inp.key, inp.first_request_index + request)
@@ -108,13 +108,14 @@ def build_program(
         requests = jnp.arange(b, dtype=jnp.int32)
         real = inp.request_prompts[:b] >= 0
         prompt = jnp.maximum(inp.request_prompts[:b], 0)
-        pad = ((0, 0), (0, shape.max_new), (0, 0), (0, 0))
+        pad_keys = ((0, 0), (0, 0), (0, 0), (0, shape.max_new))  # keys [B, K, H, S]
+        pad_values = ((0, 0), (0, 0), (0, shape.max_new), (0, 0))  # values [B, K, S, H]
         cache = [
-            tuple(
-                jax.lax.with_sharding_constraint(jnp.pad(x[prompt], pad), cache_sharding)
-                for x in kv_i
+            (
+                jax.lax.with_sharding_constraint(jnp.pad(k[prompt], pad_keys), cache_sharding),
+                jax.lax.with_sharding_constraint(jnp.pad(v[prompt], pad_values), cache_sharding),
             )
-            for kv_i in store_kv
+            for k, v in store_kv
         ]
         zeros = jnp.zeros((b,), jnp.int32)
         tokens, logprobs = draw(store_logits[prompt], inp, requests, zeros)
@@ -186,7 +187,7 @@ def build_program(
         return state
 
     def program(params, inp: Inputs) -> Outputs:
-        # The prompt store: last logits [U, V] and per-layer k/v [U, prompt_len, K, H].
+        # The prompt store: last logits [U, V] and a per-layer cache of length prompt_len.
         store = fwd.prefill(cfg, params, inp.prompts, jnp.maximum(inp.prompt_lens, 1))
         state = initial_state(inp, store)
         if continuous:

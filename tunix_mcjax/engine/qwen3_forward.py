@@ -18,7 +18,9 @@ Params = dict[str, Any]
 # Tunix 0.1.7's attention calls `apply_rope` without `config.rope_theta`, so its Qwen3 always
 # rotates with the default 1e6. The trainer scores with Tunix's model; we match it, not the config.
 TUNIX_ROPE_THETA = 1_000_000
-LayerCache = tuple[jax.Array, jax.Array]  # keys, values: [B, S, num_kv_heads, head_dim]
+# keys [B, K, H, S] and values [B, K, S, H] (K kv heads, H head dim, S cache length): the layouts
+# the decode attention contracts without transposing the whole cache every step.
+LayerCache = tuple[jax.Array, jax.Array]
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, dtype: Any) -> jax.Array:
@@ -92,13 +94,13 @@ def prefill(
     cfg: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array
 ) -> tuple[jax.Array, list[LayerCache]]:
     """Left-aligned prompts tokens [B, T] (right-padded) -> (logits at lengths-1 [B, V], per-layer
-    keys/values [B, T, K, H]). Token i sits at position i."""
+    cache of length T). Token i sits at position i."""
     b, t = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), dtype=bool)), (b, t, t))
 
     def attend(q, k, v):
-        return attention(q, k, v, causal), (k, v)
+        return attention(q, k, v, causal), (k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))
 
     x = _embed(cfg, params, tokens)
     cache = []
@@ -107,6 +109,30 @@ def prefill(
         cache.append(layer_cache)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return _logits(cfg, params, last), cache
+
+
+def empty_cache(cfg: ModelConfig, batch: int, cache_len: int) -> list[LayerCache]:
+    kv, h = cfg.num_kv_heads, cfg.head_dim
+    return [
+        (
+            jnp.zeros((batch, kv, h, cache_len), cfg.dtype),
+            jnp.zeros((batch, kv, cache_len, h), cfg.dtype),
+        )
+        for _ in range(cfg.num_layers)
+    ]
+
+
+def decode_attention(
+    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array
+) -> jax.Array:
+    """One query per row: q [B, N, H], k_cache [B, K, H, S], v_cache [B, K, S, H], mask [B, S]."""
+    b, n, h = q.shape
+    kv_heads = k_cache.shape[1]
+    q = q.reshape(b, kv_heads, n // kv_heads, h)
+    scores = jnp.einsum("BKGH,BKHS->BKGS", q, k_cache) * h**-0.5
+    scores = jnp.where(mask[:, None, None, :], scores, K_MASK)
+    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v_cache.dtype)
+    return jnp.einsum("BKGS,BKSH->BKGH", probs, v_cache).reshape(b, n, h)
 
 
 def decode_step(
@@ -121,18 +147,19 @@ def decode_step(
     Row b writes its key/value at cache index positions[b] and attends to indices <= positions[b].
     """
     b = tokens.shape[0]
-    cache_len = cache[0][0].shape[1]
+    cache_len = cache[0][0].shape[-1]
     rows = jnp.arange(b)
-    mask = (jnp.arange(cache_len)[None, :] <= positions[:, None])[:, None, :]
+    mask = jnp.arange(cache_len)[None, :] <= positions[:, None]
     x = _embed(cfg, params, tokens[:, None])
     new_cache = []
     for i in range(cfg.num_layers):
         k_cache, v_cache = cache[i]
 
         def attend(q, k, v, k_cache=k_cache, v_cache=v_cache):
-            k_cache = k_cache.at[rows, positions].set(k[:, 0], mode="drop")
-            v_cache = v_cache.at[rows, positions].set(v[:, 0], mode="drop")
-            return attention(q, k_cache, v_cache, mask), (k_cache, v_cache)
+            k_cache = k_cache.at[rows, :, :, positions].set(k[:, 0], mode="drop")
+            v_cache = v_cache.at[rows, :, positions, :].set(v[:, 0], mode="drop")
+            out = decode_attention(q[:, 0], k_cache, v_cache, mask)
+            return out[:, None], (k_cache, v_cache)
 
         x, layer_cache = _layer(cfg, params["layers"][str(i)], x, positions[:, None], attend)
         new_cache.append(layer_cache)
