@@ -2,7 +2,8 @@
 
 Same random-init Qwen3, prompts and sampling for every arm:
 
-* engine: `JaxEngine.generate` (continuous batching on; on decode-heavy profiles also off);
+* engine: `JaxEngine.generate` with continuous batching through `decode_batch` rows; on
+  decode-heavy profiles also without it, in waves of `decode_batch` rows and in one batch of all;
 * tunix: `tunix.generate.sampler.Sampler.__call__`, warmed up, whole batch in one call, its
   cheapest sampling path for plain temperature sampling (`top_p=1.0`, no top-k), logprobs on
   (an RL rollout needs them, and our engine always returns them), a fresh seed per repeat;
@@ -64,8 +65,8 @@ PROFILES = {
         ignore_eos=True, stop_token_ids=(), decode_batch=64, repeats=5,
     ),
     "numina-cpu": EngineProfile(
-        "numina-cpu", prompts=8, generations=4, prompt_lengths=(16, 32), max_new_tokens=256,
-        ignore_eos=False, stop_token_ids=tuple(range(2, 9)), decode_batch=8, repeats=3,
+        "numina-cpu", prompts=16, generations=4, prompt_lengths=(16, 32), max_new_tokens=256,
+        ignore_eos=False, stop_token_ids=tuple(range(2, 9)), decode_batch=16, repeats=3,
     ),
 }  # fmt: skip
 
@@ -133,9 +134,10 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 Measure = Callable[[int], dict[str, float]]  # repeat index -> one repeat's measurements
 
 
-def engine_arm(profile, params, prompts, sampling, *, continuous: bool) -> tuple[Measure, dict]:
-    """A warmed-up JaxEngine; CB streams through `decode_batch` rows, else one batch of all."""
-    batch = profile.decode_batch if continuous else profile.requests
+def engine_arm(
+    profile, params, prompts, sampling, *, continuous: bool, batch: int
+) -> tuple[Measure, dict]:
+    """A warmed-up JaxEngine decoding at most `batch` rows at once (CB or waves)."""
     engine = JaxEngine(
         MODEL, jax.devices()[:1], pad_id=PAD_ID, eos_id=EOS_ID,
         max_prompt_length=pow2_at_least(profile.prompt_lengths[1]),
@@ -255,9 +257,11 @@ def run(profile: EngineProfile) -> dict[str, Any]:
         max_new_tokens=profile.max_new_tokens, temperature=1.0, ignore_eos=profile.ignore_eos,
         stop_token_ids=profile.stop_token_ids,
     )  # fmt: skip
-    arms = {"engine": engine_arm(profile, params, prompts, sampling, continuous=True)}
+    workload = (profile, params, prompts, sampling)
+    arms = {"engine": engine_arm(*workload, continuous=True, batch=profile.decode_batch)}
     if not profile.ignore_eos:
-        arms["engine_no_cb"] = engine_arm(profile, params, prompts, sampling, continuous=False)
+        arms["engine_waves"] = engine_arm(*workload, continuous=False, batch=profile.decode_batch)
+        arms["engine_one_batch"] = engine_arm(*workload, continuous=False, batch=profile.requests)
     arms["tunix"] = tunix_arm(profile, model, prompts, sampling, compiles)
     arms["floor"] = floor_arm(profile, params, arms["engine"][1]["decode_batch"])
     records: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
@@ -292,13 +296,15 @@ def run(profile: EngineProfile) -> dict[str, Any]:
         "arm_info": {name: info for name, (_, info) in arms.items()},
         "records": records,
     }  # fmt: skip
-    if "engine_no_cb" in records:
-        no_cb = records["engine_no_cb"]
-        result["no_cb_tokens_per_s"] = spread(tokens_per_s(no_cb))["median"]
-        result["no_cb_decode_iterations"] = float(np.median(column(no_cb, "iterations")))
-        result["cb_speedup_vs_one_batch"] = bootstrap_ratio(
-            tokens_per_s(engine), tokens_per_s(no_cb)
-        )
+    for variant in ("engine_waves", "engine_one_batch"):
+        if variant in records:
+            result[f"{variant}_tokens_per_s"] = spread(tokens_per_s(records[variant]))["median"]
+            result[f"{variant}_decode_iterations"] = float(
+                np.median(column(records[variant], "iterations"))
+            )
+            result[f"cb_speedup_vs_{variant.removeprefix('engine_')}"] = bootstrap_ratio(
+                tokens_per_s(engine), tokens_per_s(records[variant])
+            )
     return result
 
 
@@ -306,7 +312,8 @@ def print_table(result: dict[str, Any]) -> None:
     records, info = result["records"], result["arm_info"]
     rows = [
         ("engine (CB)", "engine"),
-        ("engine (no CB)", "engine_no_cb"),
+        ("no CB, waves", "engine_waves"),
+        ("no CB, 1 batch", "engine_one_batch"),
         ("tunix Sampler", "tunix"),
     ]
     print(f"profile {result['profile']['name']}  model {result['model']}  {result['device']}")
@@ -330,13 +337,14 @@ def print_table(result: dict[str, Any]) -> None:
         f"ratio {result['iteration_vs_floor_ratio']:.2f}; "
         f"prefill floor {result['prefill_ms']:.1f} ms"
     )
-    if "cb_speedup_vs_one_batch" in result:
-        speedup, low, high = result["cb_speedup_vs_one_batch"]
-        print(
-            f"continuous batching vs one batch: {speedup:.2f}x [95% CI {low:.2f}, {high:.2f}] "
-            f"({result['engine_decode_iterations']:.0f} vs "
-            f"{result['no_cb_decode_iterations']:.0f} iterations)"
-        )
+    for variant in ("waves", "one_batch"):
+        if f"cb_speedup_vs_{variant}" in result:
+            speedup, low, high = result[f"cb_speedup_vs_{variant}"]
+            print(
+                f"continuous batching vs {variant.replace('_', ' ')}: {speedup:.2f}x "
+                f"[95% CI {low:.2f}, {high:.2f}] ({result['engine_decode_iterations']:.0f} vs "
+                f"{result[f'engine_{variant}_decode_iterations']:.0f} iterations)"
+            )
 
 
 def main(argv: Sequence[str] | None = None) -> None:
