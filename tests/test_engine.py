@@ -147,14 +147,15 @@ def test_eos_and_stop_tokens_end_the_sequence(engine, greedy_reference, eos_id):
 
 
 def test_repeated_prompts_share_prefill_but_sample_independently(engine, model):
-    prompts = [PROMPTS[1]] * 3 + [PROMPTS[0]] * 3  # GRPO-style groups
+    prompts = PROMPTS + [PROMPTS[1]] * 2  # PROMPTS[1] three times, as in a GRPO group
     out = engine.generate(prompts, SAMPLE, seed=6)
     for prompt, completion in zip(prompts, out, strict=True):
         seq = prompt + completion.tokens.tolist()
         logits = full_logits(model, seq)[len(prompt) - 1 : -1] / SAMPLE.temperature
         want = jax.nn.log_softmax(logits)[np.arange(len(completion.tokens)), completion.tokens]
         np.testing.assert_allclose(completion.logprobs, want, atol=1e-4)
-    assert len({tuple(c.tokens.tolist()) for c in out[:3]}) == 3
+    group = [out[1], out[6], out[7]]
+    assert len({tuple(c.tokens.tolist()) for c in group}) == 3
 
 
 def test_sampler_draws_from_the_distribution():
@@ -216,43 +217,41 @@ def test_load_weights_takes_effect_and_pad_is_never_sampled(engine, model, model
     np.testing.assert_allclose(restored[0].logprobs, before[0].logprobs, atol=1e-6)
 
 
-def test_continuous_batching_matches_one_batch(engine, model_config, model, eos_id):
-    """Two rows streaming six requests give the same samples as six rows at once."""
-    streamed = make_engine(model_config, model, jax.devices()[:1], eos_id, max_batch_size=2)
+@two_devices
+def test_two_replicas_streaming_equal_one_replica_run_twice(engine, model_config, model, eos_id):
+    """Two replicas on two devices, each streaming its 6 requests through 2 rows (continuous
+    batching), give what one replica gives running each half in one batch with that key."""
+    devices = jax.devices()[:2]
+    two = make_engine(model_config, model, devices, eos_id, max_batch_size=2)
+    prompts = PROMPTS + PROMPTS[::-1]  # 6 per replica: the same 8-row bucket as `engine`
     stops = tuple(range(2, 9))  # with eos, ~8% of tokens end a sequence
     sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=stops)
-    out = streamed.generate(PROMPTS, sampling, seed=4)
-    assert as_lists(out) == as_lists(engine.generate(PROMPTS, sampling, seed=4))
-    assert len({len(c.tokens) for c in out}) > 1  # lengths vary, so rows were refilled
-    assert streamed.last_iterations[0] > MAX_NEW - 1
-
-
-@two_devices
-def test_two_replicas_equal_one_replica_run_twice(engine, model_config, model, eos_id):
-    devices = jax.devices()[:2]
-    two = make_engine(model_config, model, devices, eos_id)
-    prompts = PROMPTS + PROMPTS[::-1]  # 6 per replica: the same 8-row bucket as `engine`
     key = jax.random.PRNGKey(9)
-    halves = engine.generate_share(prompts[:6], SAMPLE, jax.random.fold_in(key, 0))
-    halves += engine.generate_share(prompts[6:], SAMPLE, jax.random.fold_in(key, 1), replica=0)
-    assert as_lists(two.generate(prompts, SAMPLE, seed=9)) == as_lists(halves)
+    halves = engine.generate_share(prompts[:6], sampling, jax.random.fold_in(key, 0))
+    halves += engine.generate_share(prompts[6:], sampling, jax.random.fold_in(key, 1))
+    out = two.generate(prompts, sampling, seed=9)
+    assert as_lists(out) == as_lists(halves)
+    assert len({len(c.tokens) for c in out}) > 1  # lengths vary, so rows were refilled
+    assert max(two.last_iterations) > MAX_NEW  # more steps than one sequence: rows streamed
     # a global replicated jax Array is read shard by shard
     mesh = Mesh(np.array(devices), ("x",))
     replicated = jax.tree.map(
         lambda x: jax.device_put(x, NamedSharding(mesh, P())), params_of(model)
     )
     two.load_weights(replicated)
-    assert as_lists(two.generate(prompts, SAMPLE, seed=9)) == as_lists(halves)
+    assert as_lists(two.generate(prompts, sampling, seed=9)) == as_lists(halves)
 
 
 @two_devices
-def test_lockstep_and_tensor_parallel_match_one_replica(engine, model_config, model, eos_id):
+def test_lockstep_and_tensor_parallel_waves_match_one_replica(engine, model_config, model, eos_id):
     devices = jax.devices()[:2]
     whole = engine.generate_share(PROMPTS, SAMPLE, jax.random.fold_in(jax.random.PRNGKey(2), 0))
     lockstep = make_engine(model_config, model, devices, eos_id, lockstep=True)
     assert as_lists(lockstep.generate(PROMPTS, SAMPLE, seed=2)) == as_lists(whole)
-    tp = make_engine(model_config, model, devices, eos_id, tensor_parallelism=2)
-    out = tp.generate(PROMPTS, SAMPLE, seed=2)
+    tp_waves = dict(tensor_parallelism=2, continuous_batching=False, max_batch_size=4)
+    tp = make_engine(model_config, model, devices, eos_id, **tp_waves)
+    out = tp.generate(PROMPTS, SAMPLE, seed=2)  # waves of 4 rows, heads split over 2 devices
+    assert len(tp.last_iterations) == 2
     assert as_lists(out) == as_lists(whole)
     for a, b in zip(out, whole, strict=True):
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
