@@ -115,8 +115,9 @@ def _leaf_specs(cfg: qwen3.ModelConfig, tp: int) -> dict[LeafPath, _LeafSpec]:
 class JaxEngine(Engine):
     """Per-host rollout engine on `devices` (this host's local devices).
 
-    `max_batch_size` caps the rows one replica decodes at once: with continuous batching a
-    larger share streams through that many rows; without it the share runs in waves.
+    `max_batch_size` caps the rows one replica decodes at once (rounded up to a power of two):
+    with continuous batching a larger share streams through that many rows; without it the
+    share runs in waves. `lockstep` decodes the whole batch at once and ignores it.
     """
 
     def __init__(
@@ -162,7 +163,7 @@ class JaxEngine(Engine):
         self._leaf_specs = _leaf_specs(model_config, tp)
         self._params: list[dict[LeafPath, jax.Array]] = [{} for _ in self.meshes]
         self._programs: dict[tuple[Any, ...], Any] = {}
-        self.last_iterations: list[int] = []
+        self.last_iterations: list[int] = []  # decode iterations per program of the last call
 
     @property
     def num_replicas(self) -> int:
