@@ -89,7 +89,8 @@ def plan(arms: list[str], hosts: list[int], devices_per_host: int, tunix_layouts
     for launch in range(launches):
         for h in hosts:
             for arm in arms:
-                layouts = tunix_layouts if arm == "tunix" else [""]
+                layouts = [""] if arm != "tunix" else (
+                    tunix_layouts if h * devices_per_host > 1 else ["one-device"])
                 runs += [Run(arm, h, devices_per_host, layout, launch, launches)
                          for layout in layouts]
     return runs
