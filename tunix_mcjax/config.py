@@ -84,6 +84,10 @@ class Config:
     adam_weight_decay: float = 0.0
     gradient_clipping_threshold: float = 1.0
 
+    # Trainer: gather FSDP params once per step (few large collectives, data-parallel compute;
+    # best for small models), or false to let XLA place collectives per op (less peak memory).
+    fsdp_gather_params_once: bool = True
+
     # GRPO loss (MaxText names; Tunix semantics).
     grpo_beta: float = 0.0
     grpo_epsilon: float = 0.2
@@ -238,8 +242,9 @@ def _validate(cfg: Config) -> None:
     for key, choices in _CHOICES.items():
         if getattr(cfg, key) not in choices:
             raise ConfigError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(choices)}")
-    positive = ("steps", "batch_size", "checkpoint_period", "max_num_checkpoints_to_keep", "num_generations", "max_prefill_predict_length",
-                "rollout_tensor_parallelism", "rl_metrics_queue_size")
+    positive = ("steps", "batch_size", "num_generations", "max_prefill_predict_length",
+                "rollout_tensor_parallelism", "rl_metrics_queue_size", "checkpoint_period",
+                "max_num_checkpoints_to_keep")
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be > 0, got {getattr(cfg, key)}")

@@ -104,11 +104,15 @@ class Trainer:
     """Holds the global (FSDP) params and optimizer state; one jitted update per step."""
 
     def __init__(self, cfg: Config, policy: Policy, params: nnx.State, mesh: jax.sharding.Mesh,
-                 *, off_policy: bool = False):
+                 *, off_policy: bool = False, tx: optax.GradientTransformation | None = None):
         self.cfg, self.policy, self.mesh = cfg, policy, mesh
-        self.tx = make_optimizer(cfg)
+        self.tx = tx or make_optimizer(cfg)
         self.params = params
         self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
+        # Gathering every FSDP shard once per step makes the compute plain data parallel: one
+        # all-gather per leaf and one combined gradient all-reduce, instead of the per-op
+        # activation collectives XLA's partitioner otherwise inserts (~70 -> 16 on Qwen3-tiny).
+        self.gathered = jax.tree.map(lambda _: jax.NamedSharding(mesh, jax.P()), params)
         with jax.set_mesh(mesh):
             self.opt_state = jax.jit(self.tx.init)(params)
         self.ref_params = jax.tree.map(jnp.copy, params) if cfg.grpo_beta else None
@@ -118,6 +122,8 @@ class Trainer:
 
     def _loss(self, params, ref_params, batch, off_policy):
         cfg = self.cfg
+        if cfg.fsdp_gather_params_once:
+            params = jax.lax.with_sharding_constraint(params, self.gathered)
         fwd = self.policy.forward
         args = (batch["tokens"], batch["positions"], batch["segment_ids"])
         logits = fwd(nnx.merge(self.policy.graphdef, params), *args)
