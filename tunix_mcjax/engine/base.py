@@ -27,7 +27,7 @@ class SamplingParams:
 
 @dataclasses.dataclass(frozen=True)
 class Completion:
-    """One generated sequence: sampled tokens (stop token included), their logprobs, why it ended."""
+    """One generated sequence: sampled tokens (stop token included), logprobs, why it ended."""
 
     tokens: np.ndarray  # int32 [n]
     logprobs: np.ndarray  # float32 [n], log p(token) under the sampling distribution's logits
