@@ -74,6 +74,7 @@ class Config:
     rollout_tensor_parallelism: int = 1
     rollout_data_parallelism: int = -1  # -1: local devices / TP
     rollout_continuous_batching: bool = True
+    rollout_max_batch_size: int = 64  # rows one replica decodes at once
 
     # Optimizer (MaxText names).
     learning_rate: float = 3e-3
@@ -244,7 +245,7 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(choices)}")
     positive = ("steps", "batch_size", "num_generations", "max_prefill_predict_length",
                 "rollout_tensor_parallelism", "rl_metrics_queue_size", "checkpoint_period",
-                "max_num_checkpoints_to_keep")
+                "max_num_checkpoints_to_keep", "rollout_max_batch_size")
     for key in positive:
         if getattr(cfg, key) <= 0:
             raise ConfigError(f"{key} must be > 0, got {getattr(cfg, key)}")

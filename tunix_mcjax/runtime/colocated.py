@@ -72,6 +72,7 @@ def default_engine(cfg: Config, model_config, devices, pad_id: int, eos_id: int)
         max_new_tokens=cfg.max_completion_length,
         tensor_parallelism=cfg.rollout_tensor_parallelism,
         continuous_batching=cfg.rollout_continuous_batching,
+        max_batch_size=cfg.rollout_max_batch_size,
         lockstep=cfg.rl_runtime == "single",
     )
 
@@ -87,6 +88,7 @@ class Components:
     policy: Policy
     params: Any
     engine_model_config: Any  # the engine's Tunix Qwen3 ModelConfig
+    optimizer: Any = None  # an optax transformation; None: `trainer.make_optimizer(cfg)`
 
 
 def default_components(cfg: Config, topo: topology.Topology) -> Components:
@@ -117,7 +119,7 @@ class ColocatedRuntime:
         self.prompt_lengths = np.array([len(t) for t in self.prompt_tokens])
         self.output_len_sum = np.zeros(len(self.prompt_tokens))  # for O3's expected output
         self.output_len_count = np.zeros(len(self.prompt_tokens))
-        self.trainer = Trainer(cfg, parts.policy, parts.params, self.mesh)
+        self.trainer = Trainer(cfg, parts.policy, parts.params, self.mesh, tx=parts.optimizer)
         self.engine = engine_factory(cfg, parts.engine_model_config, list(topo.local_devices),
                                      self.pad_id, self.eos_id)
         self.publisher = Publisher(self.mesh, cfg.rl_publish_weights_single_call)
