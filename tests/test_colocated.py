@@ -115,7 +115,10 @@ def test_uneven_hosts_publish_and_assignment(tmp_path):
     host_logs = {h: read_jsonl(run / f"host_{h}.jsonl") for h in (0, 1)}
     for step in (0, 1):
         recs = [host_logs[h][step] for h in (0, 1)]
-        assert recs[0]["completion_len_max"] == 8 and recs[1]["completion_len_max"] == 1
+        # ignore_eos: every host-0 completion runs to the budget; host 1 is cut to one token.
+        assert recs[0]["completion_tokens"] == 8 * recs[0]["completions"]
+        assert recs[1]["completion_tokens"] == recs[1]["completions"]
+        assert recs[0]["truncated"] == recs[0]["completions"]
         local = [r["local_prompt_indices"] for r in recs]
         assert not set(local[0]) & set(local[1])
         assert sorted(local[0] + local[1]) == sorted(recs[0]["global_prompt_indices"])

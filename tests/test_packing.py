@@ -33,7 +33,9 @@ def test_first_fit_decreasing_fills_rows():
 
 
 def test_rows_per_device_and_padding():
-    assert packing.rows_per_device([5, 2], local_devices=2) == 3
+    assert packing.rows_per_device([5, 2], local_devices=2) == 4  # ceil(5/2)=3 -> pow2
+    assert packing.rows_per_device([8, 2], local_devices=2) == 4
+    assert packing.rows_per_device([0, 0], local_devices=2) == 1
     rows = packing.pack([_seq([1, 2], [3])], row_len=4, pad_id=0)
     padded = packing.pad_rows(rows, 4, pad_id=0)
     assert padded.num_rows == 4

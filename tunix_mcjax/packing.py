@@ -93,8 +93,13 @@ def pack(seqs: list[Sequence], row_len: int, pad_id: int) -> Rows:
 
 
 def rows_per_device(local_rows: list[int], local_devices: int) -> int:
-    """K: the padded row count per device that every host uses (from all hosts' row counts)."""
-    return max(1, max(-(-n // local_devices) for n in local_rows))
+    """K: the padded row count per device that every host uses (from all hosts' row counts).
+
+    Rounded up to a power of two, so the train step compiles for a bounded set of shapes
+    however packing varies from step to step.
+    """
+    need = max(1, max(-(-n // local_devices) for n in local_rows))
+    return 1 << (need - 1).bit_length()
 
 
 def pad_rows(rows: Rows, num_rows: int, pad_id: int) -> Rows:

@@ -32,14 +32,14 @@ from tunix_mcjax.trainer import Policy, Trainer, loss_weights, qwen3_policy
 EngineFactory = Callable[..., Engine]
 
 
-def sampling_params(cfg: Config, eos_id: int) -> SamplingParams:
+def sampling_params(cfg: Config) -> SamplingParams:
+    """EOS is the engine's own stop (unless `ignore_eos`), so it is not repeated here."""
     return SamplingParams(
         max_new_tokens=cfg.max_completion_length,
         temperature=cfg.decode_sampling_temperature,
         top_k=cfg.decode_sampling_top_k,
         top_p=cfg.decode_sampling_nucleus_p,
         greedy=cfg.decode_sampling_strategy == "greedy",
-        stop_token_ids=(eos_id,),
         ignore_eos=cfg.ignore_eos,
     )
 
@@ -124,7 +124,7 @@ class ColocatedRuntime:
                                      self.pad_id, self.eos_id)
         self.publisher = Publisher(self.mesh, cfg.rl_publish_weights_single_call)
         self.watchdog = topology.Watchdog(topo.host, cfg.collective_timeout_s)
-        self.sampling = sampling_params(cfg, self.eos_id)
+        self.sampling = sampling_params(cfg)
         self.checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.max_num_checkpoints_to_keep) \
             if cfg.enable_checkpointing else None
         self.start_step = self._maybe_restore()
@@ -190,7 +190,7 @@ class ColocatedRuntime:
     def score(self, local_idx: np.ndarray, completions: list[Completion]):
         g = self.cfg.num_generations
         expanded = [i for i in local_idx for _ in range(g)]
-        stop = set(self.sampling.stop_token_ids)
+        stop = {self.eos_id, *self.sampling.stop_token_ids}
         texts = self.tokenizer.batch_decode(
             [[t for t in c.tokens if t not in stop] for c in completions],
             skip_special_tokens=True)
