@@ -49,5 +49,6 @@ setup(
     extras_require=EXTRAS,
     entry_points={
         "console_scripts": ["tunix-mcjax=tunix_mcjax.launch:main"],
+        "maxtext.rl_runtimes": ["mcjax = tunix_mcjax.maxtext:main"],
     },
 )

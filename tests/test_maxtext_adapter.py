@@ -1,0 +1,212 @@
+"""The MaxText adapter: `rl_runtime=mcjax` on MaxText's own RL trainer, its config map, and the
+weight mapping from MaxText's Qwen3 onto the engine's Tunix Qwen3."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+pytest.importorskip("maxtext")
+
+from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # noqa: E402
+from tunix.models.qwen3 import model as qwen3  # noqa: E402
+
+from tests.mp import REPO, launch_worker, read_jsonl  # noqa: E402
+from tunix_mcjax.config import ConfigError  # noqa: E402
+from tunix_mcjax.engine import SamplingParams  # noqa: E402
+from tunix_mcjax.engine.jax_engine import JaxEngine  # noqa: E402
+from tunix_mcjax.maxtext import checked_config, load_maxtext_config, policy  # noqa: E402
+from tunix_mcjax.maxtext.launch import TRAIN_RL  # noqa: E402
+from tunix_mcjax.trainer import packed_attention_mask  # noqa: E402
+
+RL_YML = f"{MAXTEXT_CONFIGS_DIR}/post_train/rl.yml"
+CPU_ARGS = REPO / "recipes/maxtext/cpu/qwen3_tiny.args"
+TINY_MODEL = ["model_name=qwen3-0.6b", "override_model_config=true", "base_num_decoder_layers=2",
+              "base_emb_dim=64", "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=16",
+              "base_mlp_dim=128", "weight_dtype=float32", "dtype=float32", "hardware=cpu",
+              "convert_checkpoint_if_possible=false"]
+
+
+def recipe_args() -> list[str]:
+    lines = CPU_ARGS.read_text().splitlines()
+    return [line.strip() for line in lines if line.strip() and not line.startswith("#")]
+
+
+def maxtext_argv(*overrides: str) -> list[str]:
+    return ["", RL_YML, *TINY_MODEL, "log_config=false", *overrides]
+
+
+# --- the MaxText command line, end to end ---------------------------------------------------
+
+def test_train_rl_runs_on_mcjax_two_hosts(tmp_path):
+    overrides = [*recipe_args(), f"base_output_directory={tmp_path}"]
+    assert "rl_runtime=mcjax" in overrides
+    res = launch_worker(TRAIN_RL, RL_YML, overrides, hosts=2, devices=1, timeout=600)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    assert "handing the run to the runtime registered under that name" in res.stdout
+
+    run_dir = tmp_path / "maxtext-qwen3-tiny"
+    steps = read_jsonl(run_dir / "steps.jsonl")
+    assert [s["step"] for s in steps] == [0, 1, 2]
+    for host in (0, 1):
+        records = read_jsonl(run_dir / f"host_{host}.jsonl")
+        assert [r["step"] for r in records] == [0, 1, 2]
+        assert all(r["prompts"] == 1 and r["completions"] == 2 for r in records)
+        assert all(np.isfinite(r["loss"]) for r in records)
+        facts = json.loads((run_dir / f"maxtext_adapter_host{host}.json").read_text())
+        assert facts["num_hosts"] == 2
+        assert facts["modules_imported"] == {"vllm": False, "tpu_inference": False}
+        cfg = facts["config"]
+        assert (cfg["batch_size"], cfg["num_generations"], cfg["steps"]) == (2, 2, 3)
+        assert (cfg["max_prefill_predict_length"], cfg["max_target_length"]) == (128, 144)
+        assert cfg["grpo_beta"] == pytest.approx(0.08)  # rl.yml's default, honoured
+        assert cfg["tokenizer_path"].endswith("qwen3-tokenizer")
+    # Both hosts' prompts of a step are the step's global batch, split in whole groups.
+    h0, h1 = (read_jsonl(run_dir / f"host_{h}.jsonl") for h in (0, 1))
+    for a, b in zip(h0, h1, strict=True):
+        assert sorted(a["local_prompt_indices"] + b["local_prompt_indices"]) == \
+            sorted(a["global_prompt_indices"])
+    assert (run_dir / "checkpoints" / "2").is_dir()  # rl.yml's enable_checkpointing, last step
+
+
+# --- weight mapping: MaxText's forward == Tunix Qwen3 / the engine on the mapped tree ---------
+
+def perturbed(params: nnx.State, seed: int) -> nnx.State:
+    """Random norm scales (MaxText initialises them to 1, which would hide a swapped norm) and an
+    embedding table MaxText's bf16 copy represents exactly (its tied logits use that copy)."""
+    key = jax.random.key(seed)
+    for i, (path, var) in enumerate(nnx.to_flat_state(params)):
+        value = var.get_value()
+        if path[-1] == "scale":
+            var.set_value(value + 0.2 * jax.random.normal(jax.random.fold_in(key, i), value.shape))
+        elif path[-1] == "embedding":
+            var.set_value(value.astype(jnp.bfloat16).astype(value.dtype))
+    return params
+
+
+@pytest.mark.parametrize("scan_layers,tied", [(True, True), (False, False)])
+def test_weight_mapping_matches_maxtext_logits(scan_layers, tied):
+    config, _ = load_maxtext_config(
+        maxtext_argv("vocab_size=512", f"scan_layers={scan_layers}",
+                     f"logits_via_embedding={tied}"), {})
+    model, mesh = policy.build_model(config, pad_id=0)
+    # Two packed sequences per row: positions restart, segment 0 is padding.
+    segments = np.array([[1] * 9 + [2] * 5 + [0] * 2, [1] * 16])
+    positions = np.concatenate([np.arange(9), np.arange(5), np.zeros(2)])[None].repeat(2, 0)
+    positions[1] = np.arange(16)
+    tokens = np.random.default_rng(0).integers(1, 512, size=(2, 16))
+    args = [jnp.asarray(a, jnp.int32) for a in (tokens, positions, segments)]
+
+    with jax.set_mesh(mesh):
+        graphdef, state = nnx.split(model)  # params and MaxText's construction-time rngs
+        before = jax.jit(lambda s: policy.forward(nnx.merge(graphdef, s), *args,
+                                                  rules=config.logical_axis_rules))(state)
+        trainer_policy, params = policy.maxtext_policy(model, config)
+
+        def maxtext_forward(p):
+            return trainer_policy.forward(nnx.merge(trainer_policy.graphdef, p), *args)
+
+        after = jax.jit(maxtext_forward)(params)
+        np.testing.assert_array_equal(np.asarray(before), np.asarray(after))  # rngs were dead
+        params = perturbed(params, seed=1)
+        maxtext_logits = jax.jit(maxtext_forward)(params)
+        engine_params = jax.device_get(trainer_policy.to_engine_params(params))
+
+    mc = policy.engine_model_config(config)
+    tunix_model = qwen3.Qwen3(mc, rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(tunix_model)
+    nnx.replace_by_pure_dict(state, engine_params)
+    tunix_logits, _ = nnx.merge(graphdef, state)(*args[:2], None,
+                                                 packed_attention_mask(args[2]))
+    valid = segments > 0
+    np.testing.assert_allclose(np.asarray(tunix_logits)[valid],
+                               np.asarray(maxtext_logits)[valid], atol=2e-4, rtol=1e-4)
+
+    # The engine loads the same tree and decodes it: greedy first token and its logprob.
+    engine = JaxEngine(mc, jax.devices()[:1], pad_id=0, eos_id=511, max_prompt_length=16,
+                       max_new_tokens=1)
+    engine.load_weights(engine_params)
+    [out] = engine.generate([tokens[1]], SamplingParams(max_new_tokens=1, greedy=True), seed=0)
+    last = np.asarray(jax.nn.log_softmax(maxtext_logits[1, -1]))
+    assert out.tokens[0] == int(np.argmax(last))
+    assert out.logprobs[0] == pytest.approx(float(last.max()), abs=1e-4)
+
+
+# --- config mapping ---------------------------------------------------------------------------
+
+def test_honoured_keys_land_in_config(tmp_path):
+    _, cfg, not_applied = checked_config(maxtext_argv(
+        "batch_size=4", "rl.num_generations=3", "max_prefill_predict_length=64",
+        "max_target_length=96", "decode_sampling_temperature=0.7", "decode_sampling_top_k=20",
+        "decode_sampling_nucleus_p=0.9", "learning_rate=1e-5", "adam_b1=0.8", "adam_b2=0.95",
+        "adam_weight_decay=0.01", "gradient_clipping_threshold=0.5", "warmup_steps_fraction=0.2",
+        "rl.grpo_beta=0.0", "grpo_epsilon=0.3", "loss_agg_mode=token-mean", "num_batches=5",
+        "num_epoch=2", "rl_async_metrics_export=true", "rl_gc_freeze_after_warmup=true",
+        "rl_balance_prompts_by_length=true", "rl_publish_weights_single_call=true",
+        "enable_checkpointing=false", "checkpoint_period=7", "max_num_checkpoints_to_keep=3",
+        "run_name=r1", f"base_output_directory={tmp_path}", "hf_train_files=x.parquet",
+        "rollout_data_parallelism=4", "data_shuffle_seed=5", "tokenizer_path=qwen3-tokenizer",
+        "num_test_batches=0", "rl_runtime=mcjax"), {}, num_hosts=2)
+    assert not_applied == {}
+    expected = {
+        "batch_size": 4, "num_generations": 3, "max_prefill_predict_length": 64,
+        "max_target_length": 96, "decode_sampling_temperature": 0.7, "decode_sampling_top_k": 20,
+        "decode_sampling_nucleus_p": 0.9, "learning_rate": 1e-5, "adam_b1": 0.8, "adam_b2": 0.95,
+        "adam_weight_decay": 0.01, "gradient_clipping_threshold": 0.5,
+        "warmup_steps_fraction": 0.2, "grpo_beta": 0.0, "grpo_epsilon": 0.3,
+        "loss_agg_mode": "token-mean", "steps": 10, "rl_async_metrics_export": True,
+        "rl_gc_freeze_after_warmup": True, "rl_balance_prompts_by_length": True,
+        "rl_publish_weights_single_call": True, "enable_checkpointing": False,
+        "checkpoint_period": 7, "max_num_checkpoints_to_keep": 3, "run_name": "r1",
+        "hf_train_files": "x.parquet", "rollout_data_parallelism": 2, "seed": 5,
+        "rl_runtime": "mcjax", "base_num_decoder_layers": 2, "base_emb_dim": 64,
+    }
+    assert {k: getattr(cfg, k) for k in expected} == pytest.approx(expected)
+    assert cfg.run_dir == tmp_path / "r1"
+    assert cfg.tokenizer_path.endswith("assets/tokenizers/qwen3-tokenizer")
+
+
+def test_pathways_and_vllm_settings_are_reported_not_applied():
+    _, _, not_applied = checked_config(maxtext_argv(
+        "hbm_utilization_vllm=0.5", "use_pathways=false", "trainer_devices_fraction=1.0"), {}, 1)
+    assert not_applied == {"hbm_utilization_vllm": 0.5, "use_pathways": False,
+                           "trainer_devices_fraction": 1.0}
+
+
+def test_unsupported_settings_are_refused_by_name(monkeypatch):
+    with pytest.raises(ConfigError) as err:
+        checked_config(maxtext_argv("train_micro_batch_size=1", "rl.num_iterations=2",
+                                    "attention=autoselected", "max_target_length=2048"), {}, 1)
+    msg = str(err.value)
+    for key in ("train_micro_batch_size=1", "rl.num_iterations=2", "attention='autoselected'",
+                "gradient accumulation", "GRPO mu"):
+        assert key in msg
+    assert "max_target_length" not in msg  # honoured, so not named
+    # Also through MaxText's `M_<KEY>` environment overrides.
+    monkeypatch.setenv("M_NUM_TEST_BATCHES", "3")
+    with pytest.raises(ConfigError, match="num_test_batches=3: evaluation"):
+        checked_config(maxtext_argv(), {}, 1)
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (["gradient_clipping_threshold=1.0", "rollout_data_parallelism=3"],
+     "rollout_data_parallelism=3 does not divide by 2 hosts"),
+    (["base_output_directory=gs://bucket/out"], "mount the bucket"),
+    (["loss_algo=gspo-token"], "loss_algo=grpo only"),
+])
+def test_values_the_runtime_cannot_run_are_refused(overrides, match):
+    with pytest.raises(ConfigError, match=match):
+        checked_config(maxtext_argv(*overrides), {}, 2)
+
+
+@pytest.mark.parametrize("model_name", ["llama3.1-8b", "qwen3-30b-a3b"])
+def test_unsupported_model_family_errors_clearly(model_name):
+    argv = ["", RL_YML, f"model_name={model_name}", "log_config=false"]
+    with pytest.raises(ConfigError, match=rf"model_name={model_name} .*not supported by "
+                                          r"rl_runtime=mcjax yet.*dense Qwen3"):
+        checked_config(argv, {}, 1)

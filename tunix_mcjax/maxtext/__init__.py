@@ -1,0 +1,140 @@
+"""MaxText adapter: `rl_runtime=mcjax` on MaxText's RL trainer runs GRPO on this runtime.
+
+MaxText's `train_rl.main` (patched, see patches/maxtext/0002) hands the run to the entry point
+`mcjax` of the `maxtext.rl_runtimes` group, `main` below, before any JAX backend exists. On every
+host: `jax.distributed` first, then MaxText's RL config, checked key by key (`config_map`), then
+MaxText's model as the trainer's policy (`policy`), MaxText's data and rewards (`data`), and the
+colocated step loop with a per-host engine decoding the same weights as Tunix Qwen3.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import sys
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from tunix_mcjax import topology
+from tunix_mcjax.config import Config, ConfigError
+
+FACTS_FILE = "maxtext_adapter_host{host}.json"
+_WATCHED_MODULES = ("vllm", "tpu_inference")
+
+
+def main(argv: Sequence[str], kwargs: dict | None = None) -> None:
+    """MaxText's `rl_runtime=mcjax`: `argv` is train_rl's (program, [config.yml], key=value...)."""
+    topo = start_distributed()
+    try:
+        run(argv, kwargs or {}, topo)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def start_distributed() -> topology.Topology:
+    """`jax.distributed.initialize`: from our launcher's variables, else the cluster's own
+    discovery (TPU/GPU launchers), else a single process."""
+    env = os.environ
+    if "TUNIX_MCJAX_COORDINATOR" in env:
+        return topology.initialize(env["TUNIX_MCJAX_COORDINATOR"],
+                                   int(env["TUNIX_MCJAX_NUM_PROCESSES"]),
+                                   int(env["TUNIX_MCJAX_PROCESS_ID"]))
+    return topology.initialize()
+
+
+def load_maxtext_config(argv: Sequence[str], kwargs: dict) -> tuple[Any, Any]:
+    """(MaxText's RLConfig for this run, MaxText's defaults for the same model)."""
+    from maxtext.configs import pyconfig, types
+    from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
+
+    config = pyconfig.initialize_pydantic(list(argv), config_class=types.RLConfig, **kwargs)
+    rl_yml = os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "rl.yml")
+    with _without_maxtext_env():
+        default = pyconfig.initialize_pydantic(
+            ["", rl_yml, f"model_name={config.model_name}", "log_config=false",
+             f"base_output_directory={config.base_output_directory}"],
+            config_class=types.RLConfig)
+    return config, default
+
+
+@contextlib.contextmanager
+def _without_maxtext_env() -> Iterator[None]:
+    """Hides `M_<KEY>` overrides, so that keys set through them count as changed."""
+    saved = {k: os.environ.pop(k) for k in list(os.environ) if k.startswith("M_")}
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def checked_config(argv: Sequence[str], kwargs: dict,
+                   num_hosts: int) -> tuple[Any, Config, dict[str, Any]]:
+    """(MaxText's config, our Config, the changed settings that do not apply here). Raises
+    ConfigError naming every setting this runtime cannot honour, before anything is built."""
+    from tunix_mcjax.maxtext import config_map, data
+
+    config, default = load_maxtext_config(argv, kwargs)
+    not_applied = config_map.check_keys(config_map.changed_keys(config, default))
+    config_map.check_model(config)
+    tokenizer_path = data.resolve_tokenizer_path(config.tokenizer_path)
+    return config, config_map.to_config(config, num_hosts, tokenizer_path), not_applied
+
+
+def run(argv: Sequence[str], kwargs: dict, topo: topology.Topology) -> dict | None:
+    """Checks MaxText's config, builds the components, runs every step; host 0 returns the
+    summary."""
+    from tunix_mcjax.maxtext import data
+    from tunix_mcjax.runtime.colocated import ColocatedRuntime
+
+    config, cfg, not_applied = checked_config(argv, kwargs, topo.num_hosts)
+    cfg.validate_topology(topo.num_hosts, len(topo.local_devices))
+    if topo.is_leader:
+        _log_start(config, cfg, not_applied)
+    components = build_components(config, data.load_tokenizer(config))
+    summary = ColocatedRuntime(cfg, topo, components=components).run()
+    write_facts(cfg, topo, not_applied)
+    return summary
+
+
+def build_components(config: Any, tokenizer: Any) -> Any:
+    """MaxText's model, mesh, optimizer, data and rewards as the runtime's components."""
+    from maxtext.trainers.post_train.rl import utils_rl
+
+    from tunix_mcjax.maxtext import data, policy
+    from tunix_mcjax.runtime.colocated import Components
+
+    task = data.maxtext_task(config, tokenizer)
+    model, mesh = policy.build_model(config, tokenizer.pad_token_id)
+    trainer_policy, params = policy.maxtext_policy(model, config)
+    return Components(tokenizer=tokenizer, task=task, mesh=mesh, policy=trainer_policy,
+                      params=params, engine_model_config=policy.engine_model_config(config),
+                      optimizer=utils_rl.get_optimizer(config))
+
+
+def _log_start(config: Any, cfg: Config, not_applied: dict[str, Any]) -> None:
+    print(f"rl_runtime=mcjax: {config.model_name}, {cfg.steps} steps of {cfg.batch_size} prompts "
+          f"x {cfg.num_generations} generations, run dir {cfg.run_dir}", flush=True)
+    if not_applied:
+        print("rl_runtime=mcjax: these settings are for the Pathways/vLLM path and do not apply "
+              f"here: {', '.join(not_applied)}", flush=True)
+    if config.num_test_batches > 0:
+        print(f"rl_runtime=mcjax: evaluation (num_test_batches={config.num_test_batches}, "
+              "rl.yml's default) does not run under this runtime", flush=True)
+
+
+def write_facts(cfg: Config, topo: topology.Topology, not_applied: dict[str, Any]) -> None:
+    """Per host: the Config the run used, the settings that did not apply, and whether vLLM or
+    tpu-inference were ever imported."""
+    facts = {
+        "host": topo.host,
+        "num_hosts": topo.num_hosts,
+        "config": dataclasses.asdict(cfg),
+        "not_applied": not_applied,
+        "modules_imported": {m: m in sys.modules for m in _WATCHED_MODULES},
+    }
+    cfg.run_dir.mkdir(parents=True, exist_ok=True)
+    path = cfg.run_dir / FACTS_FILE.format(host=topo.host)
+    path.write_text(json.dumps(facts, indent=2, default=str) + "\n")

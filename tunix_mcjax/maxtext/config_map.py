@@ -1,0 +1,302 @@
+"""MaxText's RL config (`types.RLConfig`) -> our `Config`, key by key, with explicit refusals.
+
+Every MaxText key whose value differs from MaxText's own default for the model (`rl.yml` plus the
+model's YAML) falls in one of four groups:
+- HONOURED: mapped onto our Config, or used as MaxText uses it (MaxText builds the model, the
+  optimizer, the data pipeline and the rewards from the same config under both runtimes);
+- DERIVED: computed by MaxText from honoured keys;
+- NOT_APPLICABLE: settings of the machinery rl_runtime=mcjax replaces (Pathways, vLLM, Tunix's
+  RL cluster); they are listed in the run's log and in `maxtext_adapter.json`;
+- anything else is REFUSED by name, before any model is built. `REFUSED` gives the reason and
+  the fix for the keys users are likely to set; other keys get a generic message.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from tunix_mcjax.config import Config, ConfigError, load_config
+
+# MaxText key -> where it lands. `rl.<key>` is read from the nested `config.rl`.
+HONOURED: dict[str, str] = {
+    # Runtime and the paper's optimizations O1-O4.
+    "base_config": "MaxText's config inheritance",
+    "rl_runtime": "selects this runtime",
+    "rl_async_metrics_export": "rl_async_metrics_export (O1)",
+    "rl_gc_freeze_after_warmup": "rl_gc_freeze_after_warmup (O2)",
+    "rl_balance_prompts_by_length": "rl_balance_prompts_by_length (O3)",
+    "rl_publish_weights_single_call": "rl_publish_weights_single_call (O4)",
+    # GRPO batch, lengths, steps.
+    "batch_size": "batch_size (prompts per step)",
+    "rl.num_generations": "num_generations",
+    "max_prefill_predict_length": "max_prefill_predict_length",
+    "max_target_length": "max_target_length",
+    "num_batches": "steps = num_batches * train_fraction * num_epoch",
+    "num_epoch": "steps",
+    "train_fraction": "steps, and the dataset rows kept",
+    # Sampling and the rollout engine (per host).
+    "decode_sampling_temperature": "decode_sampling_temperature",
+    "decode_sampling_top_k": "decode_sampling_top_k",
+    "decode_sampling_nucleus_p": "decode_sampling_nucleus_p",
+    "rollout_tensor_parallelism": "rollout_tensor_parallelism (TP inside an engine replica)",
+    "rollout_data_parallelism": "rollout_data_parallelism / hosts (replicas per host)",
+    # Optimizer: MaxText's own (utils_rl.get_optimizer), warm-up then cosine decay.
+    "learning_rate": "MaxText's RL optimizer",
+    "adam_b1": "MaxText's RL optimizer",
+    "adam_b2": "MaxText's RL optimizer",
+    "adam_weight_decay": "MaxText's RL optimizer",
+    "gradient_clipping_threshold": "MaxText's RL optimizer",
+    "warmup_steps_fraction": "MaxText's RL optimizer",
+    "learning_rate_schedule_steps": "MaxText's RL optimizer",
+    # GRPO loss.
+    "rl.grpo_beta": "grpo_beta",
+    "rl.grpo_epsilon": "grpo_epsilon",
+    "rl.loss_algo": "loss_algo (grpo)",
+    "rl.loss_agg_mode": "loss_agg_mode",
+    # Data: MaxText's pipeline (train_rl.prepare_datasets) and prompt template.
+    "dataset_name": "MaxText's data pipeline",
+    "hf_train_files": "MaxText's data pipeline",
+    "train_split": "MaxText's data pipeline",
+    "hf_subset": "MaxText's data pipeline",
+    "hf_access_token": "MaxText's data pipeline and tokenizer",
+    "data_shuffle_seed": "MaxText's data pipeline; seed (batch order)",
+    "data_template_path": "MaxText's prompt template",
+    "dataset_processor_path": "MaxText's data pipeline",
+    "chat_template": "the tokenizer's chat template",
+    "chat_template_path": "the tokenizer's chat template",
+    "tokenizer_path": "tokenizer_path",
+    "reasoning_start_token": "MaxText's template and rewards",
+    "reasoning_end_token": "MaxText's template and rewards",
+    "reasoning_start_token_in_prompt": "MaxText's template and rewards",
+    "solution_start_token": "MaxText's template and rewards",
+    "solution_end_token": "MaxText's template and rewards",
+    # Rewards: MaxText's functions (train_rl.build_reward_fns) and their knobs.
+    "reward_functions_path": "MaxText's reward functions",
+    "reward_functions": "MaxText's reward functions",
+    "reward_exact_answer": "MaxText's reward functions",
+    "reward_white_space_format_match": "MaxText's reward functions",
+    "reward_exact_format_match": "MaxText's reward functions",
+    "reward_partial_format_match": "MaxText's reward functions",
+    "reward_ratio_guess_to_answer_high": "MaxText's reward functions",
+    "reward_ratio_guess_to_answer_low": "MaxText's reward functions",
+    "penalty_incorrect_format": "MaxText's reward functions",
+    "penalty_incorrect_answer": "MaxText's reward functions",
+    "math_verify_timeout": "MaxText's reward functions",
+    "math_verify_num_procs": "MaxText's reward functions",
+    # Run directory, checkpoints, logging.
+    "run_name": "run_name",
+    "base_output_directory": "base_output_directory (run dir: base_output_directory/run_name)",
+    "enable_checkpointing": "enable_checkpointing",
+    "checkpoint_period": "checkpoint_period",
+    "max_num_checkpoints_to_keep": "max_num_checkpoints_to_keep",
+    "log_period": "log_period",
+    "log_config": "MaxText's config logging",
+    # The model: built by MaxText's model_creation_utils, mapped onto Tunix Qwen3 for the engine.
+    "model_name": "MaxText's model creation (dense Qwen3 only)",
+    "override_model_config": "MaxText's model creation",
+    "base_emb_dim": "MaxText's model creation",
+    "base_num_query_heads": "MaxText's model creation",
+    "base_num_kv_heads": "MaxText's model creation",
+    "base_mlp_dim": "MaxText's model creation",
+    "base_num_decoder_layers": "MaxText's model creation",
+    "head_dim": "MaxText's model creation",
+    "vocab_size": "MaxText's model creation",
+    "normalization_layer_epsilon": "MaxText's model creation; the engine's norm_eps",
+    "logits_via_embedding": "MaxText's model creation; the engine's use_tied_embedding",
+    "dtype": "MaxText's model creation; the engine's dtype",
+    "weight_dtype": "MaxText's model creation; the engine's param dtype",
+    "scan_layers": "MaxText's model creation",
+    "param_scan_axis": "MaxText's model creation",
+    "remat_policy": "MaxText's model creation",
+    "hardware": "MaxText's model creation",
+    "init_weights_seed": "MaxText's model creation",
+    "load_parameters_path": "MaxText's model creation (initial weights)",
+    "convert_checkpoint_if_possible": "MaxText's model creation",
+    "allow_split_physical_axes": "MaxText's mesh creation",
+    "skip_jax_distributed_system": "always skipped: this runtime initialises jax.distributed",
+}
+
+# Keys honoured only at these values (what this runtime does); other values are refused.
+HONOURED_VALUES: dict[str, tuple[Any, ...]] = {"num_test_batches": (0,)}
+
+# Computed by MaxText from the keys above.
+DERIVED = frozenset({
+    "emb_dim", "mlp_dim", "num_decoder_layers", "num_query_heads", "num_kv_heads", "steps",
+    "checkpoint_dir", "tensorboard_dir", "metrics_dir", "tokenizer_type",
+    "micro_batch_size_to_train_on", "micro_batch_size_to_eval_on", "global_batch_size_to_train_on",
+    "global_batch_size_to_eval_on", "global_batch_size_to_load", "global_batch_size_to_load_eval",
+})
+
+# Settings of what rl_runtime=mcjax replaces: the Pathways controller, vLLM rollouts, Tunix's
+# RL cluster (device split between trainer and sampler, reward worker pool, perf metrics).
+NOT_APPLICABLE = frozenset({
+    "use_pathways", "use_pathways_reshard", "trainer_devices_fraction", "sampler_devices_fraction",
+    "num_trainer_slices", "num_samplers_slices", "chips_per_vm", "gc_collect_after_weight_sync",
+    "inference_replicas", "inference_devices_per_replica", "inference_rollouts",
+    "rollout_expert_parallelism", "rollout_micro_batch_size", "kv_cache_buffer",
+    "hbm_utilization_vllm", "swap_space_vllm_gb", "free_kv_cache_during_weight_sync",
+    "enable_dp_attention", "enable_expert_parallel", "async_scheduling", "max_num_batched_tokens",
+    "max_num_seqs", "vllm_block_size", "vllm_additional_config", "vllm_hf_overrides",
+    "vllm_hf_config_path", "vllm_load_format", "use_standalone_converter", "use_weight_converter",
+    "use_raiden_ffi", "rollout_backend", "weight_sync_debug", "log_weight_sync_time", "kv_tp_size",
+    "moe_mlp_tp_size", "debug_converter", "gcs_debug_path", "enable_prefix_caching",
+    "reward_num_workers", "reward_worker_timeout_seconds", "enable_tunix_perf_metrics",
+    "rl.reshard_chunk_size",
+})
+
+# Keys users are likely to set that this runtime cannot honour yet: why, and what to do.
+REFUSED: dict[str, str] = {
+    "rl.num_iterations": "GRPO mu > 1 (several updates per batch) is not implemented; use 1",
+    "rl.use_agentic_rollout": "agentic (multi-turn) rollouts are not implemented",
+    "rl.epsilon_high": "asymmetric clipping is only in Tunix's agentic learner",
+    "rl.off_policy_steps": "off-policy steps are only in Tunix's agentic learner",
+    "train_micro_batch_size": "no gradient accumulation yet: each host trains its rows in one "
+                              "pass (the update is the same); remove it",
+    "num_test_batches": "evaluation does not run under rl_runtime=mcjax yet; set 0",
+    "eval_interval": "evaluation does not run under rl_runtime=mcjax yet",
+    "stop_strings": "the engine stops on the EOS token only",
+    "adam_eps": "MaxText's RL optimizer (utils_rl.get_optimizer) does not pass adam_eps to "
+                "AdamW, so neither runtime would use it",
+    "profiler": "profiling is not wired into rl_runtime=mcjax yet",
+    "max_seq_token_per_tpu": "no token-budget micro-batching yet",
+    "dropout_rate": "the policy trains without dropout",
+    "async_checkpointing": "checkpoints are saved synchronously",
+    "quantization": "quantized training is not supported",
+    "rope_max_timescale": "the engine's Qwen3 forward rotates with theta 1e6 (Tunix's)",
+}
+
+# MaxText nested sections that mirror flat keys; compared through the flat keys (and `rl.*`).
+_MIRRORS = frozenset({"cluster", "dataset", "evaluation", "reward", "vllm", "special_tokens",
+                      "rl", "generation_configs"})
+_RL_FLAT = ("num_generations", "num_iterations", "grpo_beta", "grpo_epsilon", "loss_algo",
+            "loss_agg_mode", "use_agentic_rollout", "max_concurrency", "off_policy_steps",
+            "system_prompt", "epsilon_high", "reshard_chunk_size", "use_rollout_logps",
+            "force_on_policy_ratio", "log_sampler_trainer_agreement")
+SUPPORTED_DECODER_BLOCK = "qwen3"
+
+
+def changed_keys(config: Any, default: Any) -> dict[str, Any]:
+    """{key: value} for every key whose value differs from `default` (same model's defaults)."""
+    now, base = config.model_dump(), default.model_dump()
+    out = {k: v for k, v in now.items()
+           if k not in _MIRRORS and k not in _RL_FLAT and v != base.get(k)}
+    out.update({f"rl.{k}": v for k, v in now["rl"].items() if v != base["rl"].get(k)})
+    return out
+
+
+def check_keys(changed: dict[str, Any]) -> dict[str, Any]:
+    """Raises ConfigError naming every changed key this runtime cannot honour; returns the
+    changed keys that do not apply to it, with their values."""
+    def accepted(key: str) -> bool:
+        if key in HONOURED_VALUES:
+            return changed[key] in HONOURED_VALUES[key]
+        return key in HONOURED or key in DERIVED or key in NOT_APPLICABLE
+
+    refused = [k for k in sorted(changed) if not accepted(k)]
+    if refused:
+        lines = [f"  {k}={changed[k]!r}: "
+                 f"{REFUSED.get(k, 'not supported under rl_runtime=mcjax yet')}" for k in refused]
+        raise ConfigError(
+            "rl_runtime=mcjax cannot honour these MaxText settings:\n" + "\n".join(lines)
+            + "\nRemove them (or use rl_runtime=pathways) and run again.")
+    return {k: changed[k] for k in sorted(changed) if k in NOT_APPLICABLE}
+
+
+def check_model(config: Any) -> None:
+    """Dense Qwen3 only: MaxText trains it, the engine decodes it as Tunix Qwen3."""
+    block = getattr(config.decoder_block, "value", config.decoder_block)
+    if block != SUPPORTED_DECODER_BLOCK or config.num_experts > 1:
+        raise ConfigError(
+            f"model_name={config.model_name} (decoder_block={block}, num_experts="
+            f"{config.num_experts}) is not supported by rl_runtime=mcjax yet: it trains dense "
+            "Qwen3 (decoder_block=qwen3, e.g. qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b). "
+            "Use rl_runtime=pathways for this model.")
+    if tuple(config.mlp_activations) != ("silu", "linear") or not config.use_qk_norm:
+        raise ConfigError(f"model_name={config.model_name}: the engine's Qwen3 needs "
+                          "mlp_activations=[silu, linear] and use_qk_norm=true")
+    if not math.isclose(config.rope_max_timescale, 1e6):
+        raise ConfigError(f"rope_max_timescale={config.rope_max_timescale}: "
+                          f"{REFUSED['rope_max_timescale']}")
+
+
+def per_host_data_parallelism(global_dp: int, num_hosts: int) -> int:
+    """MaxText's rollout_data_parallelism counts replicas over all sampler devices; ours is per
+    host, since each host runs its own engine."""
+    if global_dp == -1:
+        return -1
+    if global_dp % num_hosts:
+        raise ConfigError(
+            f"rollout_data_parallelism={global_dp} does not divide by {num_hosts} hosts: "
+            "under rl_runtime=mcjax every host runs the same number of engine replicas. "
+            f"Use a multiple of {num_hosts}, or -1 (all local devices).")
+    return global_dp // num_hosts
+
+
+def _dtype(value: Any) -> str:
+    return str(getattr(value, "value", value))
+
+
+def to_config(config: Any, num_hosts: int, tokenizer_path: str) -> Config:
+    """Our Config from MaxText's (already checked with `check_keys` and `check_model`)."""
+    rl = config.rl
+    values = {
+        "rl_runtime": "mcjax",
+        "rl_async_metrics_export": config.rl_async_metrics_export,
+        "rl_gc_freeze_after_warmup": config.rl_gc_freeze_after_warmup,
+        "rl_balance_prompts_by_length": config.rl_balance_prompts_by_length,
+        "rl_publish_weights_single_call": config.rl_publish_weights_single_call,
+        "run_name": config.run_name,
+        "base_output_directory": config.base_output_directory,
+        "seed": config.data_shuffle_seed,
+        "steps": int(config.train_steps),
+        "log_period": config.log_period,
+        "enable_checkpointing": config.enable_checkpointing,
+        "checkpoint_period": config.checkpoint_period,
+        "max_num_checkpoints_to_keep": config.max_num_checkpoints_to_keep,
+        "model_name": config.model_name,
+        "base_num_decoder_layers": config.num_decoder_layers,
+        "base_emb_dim": config.emb_dim,
+        "base_mlp_dim": config.mlp_dim,
+        "base_num_query_heads": config.num_query_heads,
+        "base_num_kv_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "vocab_size": config.vocab_size,
+        "rope_max_timescale": int(config.rope_max_timescale),
+        "dtype": _dtype(config.dtype),
+        "weight_dtype": _dtype(config.weight_dtype),
+        "init_weights_seed": config.init_weights_seed,
+        "tokenizer_type": "huggingface",
+        "tokenizer_path": tokenizer_path,
+        "dataset_name": config.dataset_name,
+        "hf_train_files": config.hf_train_files or "",
+        "batch_size": config.batch_size,
+        "num_generations": rl.num_generations,
+        "max_prefill_predict_length": config.max_prefill_predict_length,
+        "max_target_length": config.max_target_length,
+        "decode_sampling_temperature": config.decode_sampling_temperature,
+        "decode_sampling_top_k": max(config.decode_sampling_top_k, 0),
+        "decode_sampling_nucleus_p": config.decode_sampling_nucleus_p,
+        "rollout_tensor_parallelism": config.rollout_tensor_parallelism,
+        "rollout_data_parallelism": per_host_data_parallelism(config.rollout_data_parallelism,
+                                                              num_hosts),
+        "learning_rate": config.learning_rate,
+        "warmup_steps_fraction": config.warmup_steps_fraction,
+        "adam_b1": config.adam_b1,
+        "adam_b2": config.adam_b2,
+        "adam_weight_decay": config.adam_weight_decay,
+        "gradient_clipping_threshold": config.gradient_clipping_threshold,
+        "grpo_beta": rl.grpo_beta,
+        "grpo_epsilon": rl.grpo_epsilon,
+        "loss_algo": rl.loss_algo,
+        "loss_agg_mode": rl.loss_agg_mode,
+    }
+    if rl.loss_algo != "grpo":
+        raise ConfigError(f"rl.loss_algo={rl.loss_algo}: rl_runtime=mcjax trains with "
+                          "loss_algo=grpo only (gspo-token is not implemented yet)")
+    if str(config.base_output_directory).startswith("gs://"):
+        raise ConfigError(
+            f"base_output_directory={config.base_output_directory}: rl_runtime=mcjax writes its "
+            "run directory (metrics, checkpoints) to a filesystem path; mount the bucket "
+            "(e.g. GCS FUSE at /gcs/<bucket>) and pass that path.")
+    return load_config(None, values)
