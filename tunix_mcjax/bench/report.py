@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 
 import numpy as np
@@ -200,6 +201,11 @@ def markdown(report: dict) -> str:
             for name, r in at["ratios"].items():
                 lines.append(f"| {name} | " + " | ".join(
                     f"{v:+.3f}" for v in r["gap_by_phase_s"].values()) + " |")
+        load = [f"{name} " + ", ".join(f"{m['loadavg_1m_before']:.1f}->{m['loadavg_1m_after']:.1f}"
+                                       for m in a["launches"] if "loadavg_1m_before" in m)
+                for name, a in at["arms"].items()]
+        lines += ["", f"Machine load (1-min load average, before->after each launch, "
+                  f"{os.cpu_count()} CPUs): " + "; ".join(load)]
         ew = at["equal_work"]
         lines += ["", f"Equal work: {'ok' if ew['ok'] else 'FAILED'}"]
         for name, p in ew["pairs"].items():

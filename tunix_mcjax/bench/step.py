@@ -12,7 +12,9 @@ Arms (same model, tokenizer, reward, hyperparameters, batches and devices):
 --ablation runs mcjax, mcjax+O1 .. mcjax+O4 and mcjax+opt, and reports each against mcjax.
 
 Protocol: 20 batches twice (40 steps); the second pass is scored, compile steps excluded.
-Arms run one after another. Each run's log is in <out>/logs/, its steps in <out>/runs/.
+Runs go one at a time; with --launches N, round robin over the arms N times, and statistics pool
+the launches' steady steps. Each run's log is in <out>/logs/, its steps in <out>/runs/.
+Outputs: <out>/report.json, report.md and PNGs (see tunix_mcjax.bench.report for definitions).
 """
 
 from __future__ import annotations
