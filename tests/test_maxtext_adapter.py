@@ -4,6 +4,9 @@ weight mapping from MaxText's Qwen3 onto the engine's Tunix Qwen3."""
 from __future__ import annotations
 
 import json
+import os
+import shlex
+import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -210,3 +213,61 @@ def test_unsupported_model_family_errors_clearly(model_name):
     with pytest.raises(ConfigError, match=rf"model_name={model_name} .*not supported by "
                                           r"rl_runtime=mcjax yet.*dense Qwen3"):
         checked_config(argv, {}, 1)
+
+
+# --- the TPU v7x recipe: the one-key switch ---------------------------------------------------
+
+V7X_RECIPE = REPO / "recipes/maxtext/tpu_v7x/run_qwen3_0p6b_rl.sh"
+O1_O4 = ["rl_async_metrics_export=true", "rl_gc_freeze_after_warmup=true",
+         "rl_balance_prompts_by_length=true", "rl_publish_weights_single_call=true"]
+
+
+def submit_v7x(tmp_path, **env: str) -> tuple[int, list[str]]:
+    """Runs the v7x recipe against a stub gcluster: (exit code, `job submit` arguments)."""
+    bin_dir, log = tmp_path / "bin", tmp_path / "submit.args"
+    bin_dir.mkdir(exist_ok=True)
+    log.unlink(missing_ok=True)
+    stub = bin_dir / "gcluster"
+    stub.write_text('#!/bin/bash\n[ "$1 $2" = "job submit" ] || exit 0\n'
+                    'for a in "$@"; do printf "%s\\0" "$a"; done > "$SUBMIT_LOG"\n')
+    stub.chmod(0o755)
+    base = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SUBMIT_LOG": str(log), "PROJECT_ID": "p",
+            "CLUSTER_NAME": "c", "ZONE": "z", "DOCKER_IMAGE": "img", "RUN_NAME": "run",
+            "MAXTEXT_CKPT_PATH": "gs://ckpt/0/items", "BASE_OUTPUT_DIRECTORY": str(tmp_path)}
+    rc = subprocess.run(["bash", str(V7X_RECIPE)], env={**base, **env},
+                        capture_output=True).returncode
+    return rc, log.read_text().split("\0")[:-1] if log.exists() else []
+
+
+def maxtext_keys(submit_args: list[str]) -> list[str]:
+    """The key=value arguments of the submitted train_rl command."""
+    (command,) = [a.removeprefix("--command=") for a in submit_args if a.startswith("--command=")]
+    words = shlex.split(command)
+    return words[words.index("maxtext.trainers.post_train.rl.train_rl") + 1:]
+
+
+def test_v7x_recipe_one_key_switch_is_accepted(tmp_path):
+    rc, pathways = submit_v7x(tmp_path)
+    assert rc == 0 and "--pathways" in pathways
+    rc, mcjax = submit_v7x(tmp_path, RL_RUNTIME="mcjax", RL_FLAGS=" ".join(O1_O4))
+    assert rc == 0 and not any(a.startswith("--pathways") for a in mcjax)
+    keys = maxtext_keys(mcjax)
+    # The MaxText command differs only by the runtime key and the optional flags.
+    assert sorted(keys) == sorted(
+        [k for k in maxtext_keys(pathways) if k != "rl_runtime=pathways"]
+        + ["rl_runtime=mcjax", *O1_O4])
+
+    # 64 chips = 16 hosts; every setting is honoured or reported as Pathways/vLLM-only.
+    _, cfg, not_applied = checked_config(["", RL_YML, *keys], {}, num_hosts=16)
+    assert (cfg.batch_size, cfg.num_generations, cfg.steps) == (128, 8, 500)
+    assert (cfg.rollout_tensor_parallelism, cfg.rollout_data_parallelism) == (1, -1)
+    assert all(getattr(cfg, k.split("=")[0]) is True for k in O1_O4)
+    assert {"vllm_additional_config", "hbm_utilization_vllm", "enable_tunix_perf_metrics",
+            "rollout_micro_batch_size", "enable_dp_attention"} <= set(not_applied)
+
+
+@pytest.mark.parametrize("env", [{"RL_FLAGS": "rl_async_metrics_export=true"},
+                                 {"RL_RUNTIME": "mcjax", "BASE_OUTPUT_DIRECTORY": "gs://b/o"}])
+def test_v7x_recipe_rejects_inconsistent_settings(tmp_path, env):
+    rc, submitted = submit_v7x(tmp_path, **env)
+    assert rc == 1 and not submitted

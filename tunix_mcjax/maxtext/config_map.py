@@ -59,6 +59,7 @@ HONOURED: dict[str, str] = {
     "hf_train_files": "MaxText's data pipeline",
     "train_split": "MaxText's data pipeline",
     "hf_subset": "MaxText's data pipeline",
+    "eval_dataset_name": "MaxText's data pipeline (equal to dataset_name: 95% train split)",
     "hf_access_token": "MaxText's data pipeline and tokenizer",
     "data_shuffle_seed": "MaxText's data pipeline; seed (batch order)",
     "data_template_path": "MaxText's prompt template",
