@@ -4,6 +4,7 @@ Every MaxText key whose value differs from MaxText's own default for the model (
 model's YAML) falls in one of four groups:
 - HONOURED: mapped onto our Config, or used as MaxText uses it (MaxText builds the model, the
   optimizer, the data pipeline and the rewards from the same config under both runtimes);
+  HONOURED_VALUES: honoured at the listed values only (e.g. `num_test_batches=0`);
 - DERIVED: computed by MaxText from honoured keys;
 - NOT_APPLICABLE: settings of the machinery rl_runtime=mcjax replaces (Pathways, vLLM, Tunix's
   RL cluster); they are listed in the run's log and in `maxtext_adapter.json`;
