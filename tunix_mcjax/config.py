@@ -92,7 +92,7 @@ class Config:
     # GRPO loss (MaxText names; Tunix semantics).
     grpo_beta: float = 0.0
     grpo_epsilon: float = 0.2
-    loss_algo: str = "grpo"  # grpo | gspo-token
+    loss_algo: str = "grpo"
     loss_agg_mode: str = "sequence-mean-token-mean"
     advantage_estimator: str = "grpo"
 
@@ -152,7 +152,7 @@ _CHOICES = {
     "tokenizer_type": ("char", "huggingface"),
     "decode_sampling_strategy": ("weighted", "greedy"),
     "rollout_engine": ("jax",),
-    "loss_algo": ("grpo", "gspo-token"),
+    "loss_algo": ("grpo",),  # gspo-token: not implemented yet
     "loss_agg_mode": ("token-mean", "sequence-mean-token-mean"),
     "advantage_estimator": ("grpo",),
     "rl_runtime": ("mcjax", "single"),
