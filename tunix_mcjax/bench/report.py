@@ -206,6 +206,12 @@ def markdown(report: dict) -> str:
                 for name, a in at["arms"].items()]
         lines += ["", f"Machine load (1-min load average, before->after each launch, "
                   f"{os.cpu_count()} CPUs): " + "; ".join(load)]
+        codes = sorted({m["code"] for a in at["arms"].values() for m in a["launches"]
+                        if "code" in m})
+        if len(codes) > 1:
+            lines += ["", f"WARNING: runs used different code versions: {', '.join(codes)}"]
+        elif codes:
+            lines += ["", f"Code: {codes[0]}"]
         ew = at["equal_work"]
         lines += ["", f"Equal work: {'ok' if ew['ok'] else 'FAILED'}"]
         for name, p in ew["pairs"].items():

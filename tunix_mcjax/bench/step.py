@@ -113,6 +113,14 @@ def _progress(steps_file: Path, seen: int, run: Run, total: int) -> int:
     return seen
 
 
+def code_version() -> str:
+    """The checked-out commit, with `+dirty` when the package has uncommitted changes."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
+    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git(
+        "status", "--porcelain", "--untracked-files=no", "tunix_mcjax") else "")
+
+
 def execute(run: Run, recipe: Path, out: Path, extra: list[str], steps: int,
             timeout_s: float) -> dict:
     """Runs one launch to completion with per-step progress; returns its metadata."""
@@ -121,7 +129,7 @@ def execute(run: Run, recipe: Path, out: Path, extra: list[str], steps: int,
     log_path = out / "logs" / f"{run.name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = run.command(recipe, out, extra)
-    load_before = os.getloadavg()[0]
+    load_before, code = os.getloadavg()[0], code_version()
     t0 = time.perf_counter()
     with log_path.open("w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
@@ -138,7 +146,7 @@ def execute(run: Run, recipe: Path, out: Path, extra: list[str], steps: int,
     if proc.returncode != 0:
         tail = "".join(log_path.read_text().splitlines(keepends=True)[-25:])
         raise RuntimeError(f"{run.name} failed (exit {proc.returncode}); {log_path}:\n{tail}")
-    meta = {"command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0,
+    meta = {"command": " ".join(cmd[1:]), "code": code, "wall_s": time.perf_counter() - t0,
             "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0]}
     (steps_file.parent / "bench_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
