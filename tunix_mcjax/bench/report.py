@@ -235,7 +235,7 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
     bars = [(f"{name}\n{h}h" if len(report["by_hosts"]) > 1 else name, a)
             for h, at in report["by_hosts"].items() for name, a in at["arms"].items()]
     labels = [b[0] for b in bars]
-    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(bars)), 4))
+    fig, ax = plt.subplots(figsize=(max(5.0, 1.2 * len(bars)) + 1.5, 4))
     bottom = np.zeros(len(bars))
     for phase in (*PHASES, "other"):
         heights = np.array([max(a["phase_median_s"].get(phase, 0.0), 0.0) for _, a in bars])
@@ -247,7 +247,7 @@ def plot(report: dict, out_dir: Path) -> list[Path]:
                     fontsize=8)
     ax.set_ylabel("median seconds per step")
     ax.set_title(f"{report['profile']}: step time by phase")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     paths.append(out_dir / "step_time_by_phase.png")
     fig.savefig(paths[-1], dpi=120)
