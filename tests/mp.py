@@ -10,6 +10,10 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 
+# A one-layer Qwen3 small enough for multi-process tests to compile in seconds.
+TINY = ["base_num_decoder_layers=1", "base_emb_dim=32", "base_mlp_dim=64",
+        "base_num_query_heads=2", "base_num_kv_heads=1", "head_dim=16"]
+
 
 def launch(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
     """`python -m tunix_mcjax.launch ARGS`, output captured."""

@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from tests.mp import launch, read_jsonl
+from tests.mp import TINY, launch, read_jsonl
 
-TINY = ["base_num_decoder_layers=1", "base_emb_dim=32", "base_mlp_dim=64",
-        "base_num_query_heads=2", "base_num_kv_heads=1", "head_dim=16", "batch_size=4",
-        "num_generations=4", "enable_checkpointing=true", "checkpoint_period=2"]
+RUN = [*TINY, "batch_size=4", "num_generations=4", "enable_checkpointing=true",
+       "checkpoint_period=2"]
 
 
 def _run(tmp_path, name, steps):
-    proc = launch(["--hosts", "2", "--devices-per-host", "2", "recipes/cpu/demo.yml", *TINY,
+    proc = launch(["--hosts", "2", "--devices-per-host", "2", "recipes/cpu/demo.yml", *RUN,
                    f"steps={steps}", f"base_output_directory={tmp_path}", f"run_name={name}"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout

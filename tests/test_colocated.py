@@ -16,13 +16,10 @@ import pytest
 from flax import nnx
 from tunix.rl import algo_core, common
 
-from tests.mp import REPO, launch_worker, read_jsonl
+from tests.mp import REPO, TINY, launch_worker, read_jsonl
 from tunix_mcjax import models
 from tunix_mcjax.config import load_config
 from tunix_mcjax.trainer import make_optimizer
-
-TINY = ["base_num_decoder_layers=1", "base_emb_dim=32", "base_mlp_dim=64",
-        "base_num_query_heads=2", "base_num_kv_heads=1", "head_dim=16"]
 
 
 def tunix_reference_update(cfg, npz) -> tuple[float, dict[str, np.ndarray]]:

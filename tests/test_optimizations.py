@@ -11,15 +11,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tests.mp import launch_worker
+from tests.mp import TINY, launch_worker
 from tunix_mcjax import models, topology
 from tunix_mcjax.config import load_config
 from tunix_mcjax.engine.jax_engine import JaxEngine
 from tunix_mcjax.metrics import Exporter
 from tunix_mcjax.publish import Publisher
-
-TINY = ["base_num_decoder_layers=1", "base_emb_dim=32", "base_mlp_dim=64",
-        "base_num_query_heads=2", "base_num_kv_heads=1", "head_dim=16"]
 
 
 class SlowSink:
