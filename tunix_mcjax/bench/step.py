@@ -114,10 +114,10 @@ def _progress(steps_file: Path, seen: int, run: Run, total: int) -> int:
 
 
 def code_version() -> str:
-    """The checked-out commit, with `+dirty` when the package has uncommitted changes."""
+    """The last commit that changed the package, `+dirty` with uncommitted changes in it."""
     def git(*args: str) -> str:
         return subprocess.run(["git", *args], capture_output=True, text=True).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + ("+dirty" if git(
+    return git("log", "-1", "--format=%h", "--", "tunix_mcjax") + ("+dirty" if git(
         "status", "--porcelain", "--untracked-files=no", "tunix_mcjax") else "")
 
 
