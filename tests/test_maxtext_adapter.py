@@ -20,6 +20,7 @@ from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # noqa: E402
 from tunix.models.qwen3 import model as qwen3  # noqa: E402
 
 from tests.mp import REPO, launch_worker, read_jsonl  # noqa: E402
+from tests.stubs import stub_gcluster
 from tunix_mcjax.config import ConfigError  # noqa: E402
 from tunix_mcjax.engine import SamplingParams  # noqa: E402
 from tunix_mcjax.engine.jax_engine import JaxEngine  # noqa: E402
@@ -224,13 +225,7 @@ O1_O4 = ["rl_async_metrics_export=true", "rl_gc_freeze_after_warmup=true",
 
 def submit_v7x(tmp_path, **env: str) -> tuple[int, list[str]]:
     """Runs the v7x recipe against a stub gcluster: (exit code, `job submit` arguments)."""
-    bin_dir, log = tmp_path / "bin", tmp_path / "submit.args"
-    bin_dir.mkdir(exist_ok=True)
-    log.unlink(missing_ok=True)
-    stub = bin_dir / "gcluster"
-    stub.write_text('#!/bin/bash\n[ "$1 $2" = "job submit" ] || exit 0\n'
-                    'for a in "$@"; do printf "%s\\0" "$a"; done > "$SUBMIT_LOG"\n')
-    stub.chmod(0o755)
+    bin_dir, log = stub_gcluster(tmp_path)
     base = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SUBMIT_LOG": str(log), "PROJECT_ID": "p",
             "CLUSTER_NAME": "c", "ZONE": "z", "DOCKER_IMAGE": "img", "RUN_NAME": "run",
             "MAXTEXT_CKPT_PATH": "gs://ckpt/0/items", "BASE_OUTPUT_DIRECTORY": str(tmp_path)}

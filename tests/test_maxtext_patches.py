@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.stubs import stub_gcluster
 from tunix_mcjax import patches
 
 MAXTEXT = patches.TARGETS["maxtext"]
@@ -175,13 +176,7 @@ def test_applies_inside_an_unrelated_git_repository(tree: Path) -> None:
 
 def _submit(script: Path, tmp_path: Path, rl_runtime: str | None) -> tuple[int, list[str] | None]:
     """Runs a recipe script against a stub gcluster; returns its exit code and submit arguments."""
-    bin_dir, log = tmp_path / "bin", tmp_path / "submit.args"
-    bin_dir.mkdir(exist_ok=True)
-    log.unlink(missing_ok=True)
-    stub = bin_dir / "gcluster"
-    stub.write_text('#!/bin/bash\n[ "$1 $2" = "job submit" ] || exit 0\n'
-                    'for a in "$@"; do printf "%s\\0" "$a"; done > "$SUBMIT_LOG"\n')
-    stub.chmod(0o755)
+    bin_dir, log = stub_gcluster(tmp_path)
     env = {"PATH": f"{bin_dir}:{os.environ['PATH']}", "SUBMIT_LOG": str(log), "PROJECT_ID": "p",
            "CLUSTER_NAME": "c", "ZONE": "z", "BASE_OUTPUT_DIRECTORY": "gs://out",
            "DOCKER_IMAGE": "img", "MAXTEXT_CKPT_PATH": "gs://ckpt", "RUN_NAME": "run"}
