@@ -28,6 +28,11 @@ HOST_SHARE = (
     "bound on host-side work."
 )
 
+ROLLOUT_IMBALANCE = (
+    "Rollout max/mean is the slowest host's generate time over the hosts' mean, median over "
+    "scored steps: 1 is balanced; every host waits for the slowest one at the next all-gather."
+)
+
 
 @dataclasses.dataclass(frozen=True)
 class ArmRun:
@@ -71,6 +76,36 @@ def host_share(run: RunLog, first_scored: int) -> float:
     return float(np.median(shares))
 
 
+def rollout_imbalance(run: RunLog, first_scored: int) -> np.ndarray | None:
+    """Per scored step, the slowest host's generate time over the hosts' mean (1 = balanced).
+
+    None for runs that do not log per-host generate times (the Tunix arm).
+    """
+    scored = run.scored(first_scored)
+    if not scored or any(r.get("generate_mean_s", 0.0) <= 0 for r in scored):
+        return None
+    return np.array([r["generate_max_s"] / r["generate_mean_s"] for r in scored])
+
+
+def output_length_correlation(host_records: list[dict], first_scored: int) -> float:
+    """Pearson r of each prompt's mean output length in the first pass vs the second.
+
+    How much the expected-output weights of `rl_balance_by_expected_output` can know: near 0,
+    a prompt's earlier lengths say nothing about its next ones.
+    """
+    passes: tuple[dict[int, list[float]], dict[int, list[float]]] = ({}, {})
+    for r in host_records:
+        seen = passes[r["step"] >= first_scored]
+        for i, length in zip(r["local_prompt_indices"], r["completion_len_by_prompt"],
+                             strict=True):
+            seen.setdefault(i, []).append(length)
+    both = sorted(passes[0].keys() & passes[1].keys())
+    if len(both) < 3:
+        raise ValueError(f"only {len(both)} prompts appear in both passes")
+    first, second = ([np.mean(p[i]) for i in both] for p in passes)
+    return float(np.corrcoef(first, second)[0, 1])
+
+
 def arm_summary(a: ArmRun, first_scored: int) -> dict:
     scored = a.log.scored(first_scored)
     if not scored:
@@ -78,6 +113,7 @@ def arm_summary(a: ArmRun, first_scored: int) -> dict:
     step_s = a.log.column("step_s", first_scored)
     tokens = a.log.column("tokens_generated", first_scored)
     second_pass = [r for r in a.log.records if r["step"] >= first_scored]
+    imbalance = rollout_imbalance(a.log, first_scored)
     return {
         "run": a.log.name,
         "median_step_s": float(np.median(step_s)),
@@ -86,6 +122,7 @@ def arm_summary(a: ArmRun, first_scored: int) -> dict:
         "mean_step_s": float(np.mean(step_s)),
         "phase_mean_s": phase_table(a.log, first_scored, np.mean),
         "host_share": host_share(a.log, first_scored),
+        "rollout_imbalance": None if imbalance is None else float(np.median(imbalance)),
         "steady_steps": len(scored),
         "compiled_scored_steps": len(second_pass) - len(scored),
         "reward_mean": float(np.mean([r.get("reward_mean", np.nan) for r in scored])),
@@ -145,6 +182,10 @@ def build_report(runs: list[ArmRun], reference: str, first_scored: int, *, ablat
                 ratios[key] = ratio(num, den, first_scored, seed)
                 if ablation:
                     ratios[key]["moved"] = moved_phase(arms[ref], arms[name])
+                    imbalances = [rollout_imbalance(log, first_scored) for log in (num, den)]
+                    if all(x is not None for x in imbalances):
+                        ratios[key]["imbalance"] = stats.bootstrap_ratio(
+                            *imbalances, seed=seed + 2).as_dict()
                 else:
                     ratios[key]["gap_by_phase_s"] = gap_by_phase(arms[name], arms[ref])
                 if ref == reference:
@@ -170,25 +211,29 @@ def markdown(report: dict) -> str:
              f"excluded; intervals: 95% percentile bootstrap, {stats.RESAMPLES} resamples.", ""]
     for key, at in report["by_hosts"].items():
         lines += [f"## {key} host(s) x {report['devices_per_host']} device(s)", "",
-                  "| arm | median step s | s / 1k tokens | host share | "
+                  "| arm | median step s | s / 1k tokens | host share | rollout max/mean | "
                   + " | ".join(PHASES) + " | other | steady steps |",
-                  "|---" * (len(PHASES) + 6) + "|"]
+                  "|---" * (len(PHASES) + 7) + "|"]
         for name, a in at["arms"].items():
             ph = a["phase_median_s"]
             cells = [f"{ph[p]:.3f}" if p in ph else "-" for p in (*PHASES, "other")]
+            imbalance = a.get("rollout_imbalance")
             lines.append(f"| {name} | {a['median_step_s']:.3f} | {a['median_s_per_1k_tokens']:.3f}"
-                         f" | {a['host_share']:.0%} | " + " | ".join(cells)
-                         + f" | {a['steady_steps']} |")
-        verdict = ("step-time change (per-step interval excludes 1) | phase moved most"
-                   if report["ablation"] else
+                         f" | {a['host_share']:.0%} | "
+                         f"{'-' if imbalance is None else f'{imbalance:.3f}'} | "
+                         + " | ".join(cells) + f" | {a['steady_steps']} |")
+        verdict = ("step-time change (per-step interval excludes 1) | phase moved most | "
+                   "rollout max/mean, base / variant" if report["ablation"] else
                    f"faster (both lower bounds > {stats.FASTER_MARGIN})")
         lines += ["", f"| ratio | per step | per token | {verdict} |",
-                  "|---|---|---|---|" + ("---|" if report["ablation"] else "")]
+                  "|---|---|---|---|" + ("---|---|" if report["ablation"] else "")]
         for name, r in at["ratios"].items():
             if report["ablation"]:
                 change = ("faster" if r["ci_low"] > 1 else "slower" if r["ci_high"] < 1
                           else "none resolved")
-                cell = f"{change} | {r['moved']['phase']} ({r['moved']['delta_s']:+.3f} s)"
+                imbalance = _fmt_ci(r["imbalance"]) if "imbalance" in r else "-"
+                cell = (f"{change} | {r['moved']['phase']} ({r['moved']['delta_s']:+.3f} s) | "
+                        f"{imbalance}")
             else:
                 cell = "yes" if r["faster"] else "no"
                 if "with_compile" in r:
@@ -220,7 +265,11 @@ def markdown(report: dict) -> str:
     if "tunix_layouts" in report:
         lines += ["Tunix layouts (median step s): " + ", ".join(
             f"{k} {v:.3f}" for k, v in report["tunix_layouts"].items()), ""]
-    lines += [report["host_share_definition"], ""]
+    if "output_length_r" in report:
+        lines += ["Output-length predictability (Pearson r of each prompt's mean output length, "
+                  "first pass vs second, base arm): " + ", ".join(
+                      f"{r:.2f}" for r in report["output_length_r"]), ""]
+    lines += [report["host_share_definition"], ROLLOUT_IMBALANCE, ""]
     return "\n".join(lines)
 
 

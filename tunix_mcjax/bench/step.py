@@ -10,6 +10,14 @@ Arms (same model, tokenizer, reward, hyperparameters, batches and devices):
   mcjax      our colocated runtime on H hosts (the reference of every ratio)
   mcjax+opt  mcjax with O1-O4 on
 --ablation runs mcjax, mcjax+O1 .. mcjax+O4 and mcjax+opt, and reports each against mcjax.
+--balance runs mcjax, mcjax+O3 and mcjax+O3x (O3 plus rl_balance_by_expected_output) with
+output lengths that vary by prompt, reported like --ablation plus each arm's rollout imbalance
+(slowest host's generate time / mean) and how well a prompt's first-pass output length predicts
+its second-pass one (Pearson r). It sets ignore_eos=false, decode_sampling_strategy=greedy and
+rollout_max_batch_size=8 (--set overrides them): a random-init model's completions then end
+where EOS first becomes the argmax, so lengths differ by prompt and repeat across epochs (r = 1,
+the predictor's best case), and a host's rollout time follows its token load. Add
+--set decode_sampling_strategy=weighted for lengths that earlier epochs do not predict.
 
 Protocol: 20 batches twice (40 steps); the second pass is scored, compile steps excluded.
 Runs go one at a time; with --launches N, round robin over the arms N times, and statistics pool
@@ -43,6 +51,11 @@ OPTIMIZATIONS = {
 ALL_OPT = {key: True for key in OPTIMIZATIONS.values()}
 ARMS = ("tunix", "single", "mcjax", "mcjax+opt")
 ABLATION = ("mcjax", *(f"mcjax+{o}" for o in OPTIMIZATIONS), "mcjax+opt")
+BALANCE = ("mcjax", "mcjax+O3", "mcjax+O3x")
+# Output lengths that differ by prompt and repeat across epochs (EOS honoured, greedy decoding),
+# and 8 decode slots per engine, so that a host's rollout time follows its total tokens (the
+# saturated-engine regime of accelerator-scale runs, where requests outnumber decode slots).
+BALANCE_SET = ("ignore_eos=false", "decode_sampling_strategy=greedy", "rollout_max_batch_size=8")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -67,6 +80,8 @@ class Run:
             return {"rl_runtime": "single"}
         if self.arm == "mcjax+opt":
             return ALL_OPT
+        if self.arm == "mcjax+O3x":
+            return {OPTIMIZATIONS["O3"]: True, "rl_balance_by_expected_output": True}
         if self.arm.startswith("mcjax+"):
             return {OPTIMIZATIONS[self.arm.removeprefix("mcjax+")]: True}
         return {}
@@ -125,7 +140,8 @@ def execute(run: Run, recipe: Path, out: Path, extra: list[str], steps: int,
             timeout_s: float) -> dict:
     """Runs one launch to completion with per-step progress; returns its metadata."""
     steps_file = out / "runs" / run.name / "steps.jsonl"
-    steps_file.unlink(missing_ok=True)
+    for stale in (steps_file, *steps_file.parent.glob("host_*.jsonl")):
+        stale.unlink(missing_ok=True)
     log_path = out / "logs" / f"{run.name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = run.command(recipe, out, extra)
@@ -159,6 +175,11 @@ def _load(run: Run, out: Path) -> tuple[RunLog, dict]:
     return RunLog.load(run_dir / "steps.jsonl", run.name), meta
 
 
+def _host_records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for path in sorted(run_dir.glob("host_*.jsonl"))
+            for line in path.read_text().splitlines() if line.strip()]
+
+
 def collect(runs: list[Run], out: Path, first_scored: int) -> tuple[list[report.ArmRun], dict]:
     """Loads every run; per host count, the Tunix layout with the fastest pooled median is the
     tunix arm."""
@@ -190,6 +211,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--arms", default="tunix,single,mcjax", help=f"from {', '.join(ARMS)}")
     p.add_argument("--ablation", action="store_true",
                    help=f"run {', '.join(ABLATION)} instead of --arms")
+    p.add_argument("--balance", action="store_true",
+                   help=f"run {', '.join(BALANCE)} on varying output lengths instead of --arms")
     p.add_argument("--tunix-layouts", default="fsdp,one-device",
                    help="Tunix layouts to try: fsdp, one-device")
     p.add_argument("--out", required=True, type=Path, help="output directory (relative path)")
@@ -202,8 +225,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="rebuild the report from the runs already in --out")
     args = p.parse_args(argv)
     args.hosts = [int(h) for h in args.hosts.split(",")]
-    args.arms = list(ABLATION) if args.ablation else args.arms.split(",")
-    unknown = [a for a in args.arms if a not in ARMS + ABLATION]
+    if args.ablation and args.balance:
+        p.error("--ablation and --balance are separate benchmarks: pick one")
+    args.arms = list(ABLATION) if args.ablation else list(BALANCE) if args.balance \
+        else args.arms.split(",")
+    if args.balance:
+        args.set = [*BALANCE_SET, *args.set]
+    unknown = [a for a in args.arms if a not in ARMS + ABLATION + BALANCE]
     if unknown or "mcjax" not in args.arms:
         p.error(f"--arms must include mcjax (the reference) and only {', '.join(ARMS)}")
     args.tunix_layouts = args.tunix_layouts.split(",")
@@ -232,8 +260,13 @@ def main(argv: list[str] | None = None) -> None:
                "steps": steps, "batches": profiles.BATCHES, "launches": args.launches}
     if layouts:
         context["tunix_layouts"] = layouts
-    rep = report.build_report(arm_runs, "mcjax", first_scored, ablation=args.ablation,
-                              context=context)
+    if args.balance:
+        context["output_length_r"] = [
+            report.output_length_correlation(_host_records(out / "runs" / run.name),
+                                             first_scored)
+            for run in runs if run.arm == "mcjax" and run.hosts == max(args.hosts)]
+    rep = report.build_report(arm_runs, "mcjax", first_scored,
+                              ablation=args.ablation or args.balance, context=context)
     for path in report.write(rep, out):
         print(f"wrote {path}")
     print(report.markdown(rep))

@@ -270,6 +270,7 @@ class ColocatedRuntime:
     def _host_record(self, step, local_idx, global_idx, timer, reward, correct, completions,
                      train_metrics) -> dict:
         lens = [len(c.tokens) for c in completions]
+        by_prompt = np.reshape(lens, (len(local_idx), -1)).mean(1)
         compiles = self._compile_count()
         compiled, self._compiles = compiles > self._compiles, compiles
         phase = {f"{p}_s": timer.seconds.get(p, 0.0) for p in metrics.PHASES}
@@ -281,6 +282,7 @@ class ColocatedRuntime:
             "truncated": sum(c.finish_reason == "length" for c in completions),
             "prompt_tokens": int(self.prompt_lengths[local_idx].sum()),
             "compiled": int(compiled), "local_prompt_indices": local_idx.tolist(),
+            "completion_len_by_prompt": by_prompt.round(2).tolist(),
             "global_prompt_indices": global_idx.tolist(), **train_metrics,
         }
 
