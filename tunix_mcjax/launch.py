@@ -3,7 +3,8 @@
 Each process is a real JAX controller: `jax.distributed.initialize` against a coordinator on
 127.0.0.1 (a free port), gloo CPU collectives, and D forced host-platform devices. Output is
 streamed with a `[host i]` prefix. If any process fails, the others are stopped and the launcher
-exits non-zero, naming the host and its exit code.
+exits non-zero, naming the host and its exit code. Ctrl-C or SIGTERM to the launcher stops every
+host too (SIGTERM, then SIGKILL after GRACE_S: JAX treats SIGTERM as a preemption notice).
 """
 
 from __future__ import annotations
@@ -78,24 +79,39 @@ def stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+class Terminated(Exception):
+    """The launcher received SIGTERM."""
+
+
+def _on_sigterm(signum, frame) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the stop short
+    raise Terminated
+
+
 def launch(recipe: str, overrides: list[str], hosts: int, devices: int,
            module: str = "tunix_mcjax.run") -> int:
-    port = free_port()
-    procs = []
-    for h in range(hosts):
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", module, recipe, *overrides],
-            env=host_env(h, hosts, devices, port), stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True))
-    streams = [threading.Thread(target=_stream, args=(h, p), daemon=True)
-               for h, p in enumerate(procs)]
-    for t in streams:
-        t.start()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    procs: list[subprocess.Popen] = []
+    streams: list[threading.Thread] = []
     try:
+        port = free_port()
+        for h in range(hosts):
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", module, recipe, *overrides],
+                env=host_env(h, hosts, devices, port), stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True, bufsize=1, start_new_session=True))
+            streams.append(threading.Thread(target=_stream, args=(h, procs[-1]), daemon=True))
+            streams[-1].start()
         code = supervise(procs)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated) as stopped:
+        signum = signal.SIGTERM if isinstance(stopped, Terminated) else signal.SIGINT
+        print(f"launch: {signum.name}; stopping all hosts", file=sys.stderr, flush=True)
         stop(procs)
-        code = 130
+        code = 128 + signum
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     for t in streams:
         t.join(timeout=5)
     return code
