@@ -98,9 +98,12 @@ def test_update_equals_tunix(tmp_path, beta):
 
 
 def test_uneven_hosts_publish_and_assignment(tmp_path):
-    """Hosts stop at different lengths (no deadlock); engines equal trainer params; groups whole."""
+    """Hosts stop at different lengths (no deadlock); engines equal trainer params; groups whole;
+    O3 with expected output rebalances the repeated batch by the lengths it observed."""
     overrides = [*TINY, "steps=2", "batch_size=4", "num_generations=4",
                  "max_prefill_predict_length=4", "max_target_length=12", "ignore_eos=true",
+                 "data_repeat_period=1", "rl_balance_prompts_by_length=true",
+                 "rl_balance_by_expected_output=true",
                  f"base_output_directory={tmp_path}", "run_name=uneven"]
     proc = launch_worker("tests.workers.uneven_run", "recipes/cpu/demo.yml", overrides)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -120,32 +123,47 @@ def test_uneven_hosts_publish_and_assignment(tmp_path):
         assert not set(local[0]) & set(local[1])
         assert sorted(local[0] + local[1]) == sorted(recs[0]["global_prompt_indices"])
         assert all(r["completions"] == 4 * len(r["local_prompt_indices"]) for r in recs)
+        assert [r["completion_len_by_prompt"] for r in recs] == [[8.0, 8.0], [1.0, 1.0]]
+    # Step 0: equal prompt lengths, no history, so positions alternate. Step 1 repeats the
+    # batch; host 0's prompts decoded 8 tokens and host 1's 1, so each host now gets one of each.
+    long_prompts = set(host_logs[0][0]["local_prompt_indices"])
+    for h in (0, 1):
+        assert len(long_prompts & set(host_logs[h][1]["local_prompt_indices"])) == 1
     steps = read_jsonl(run / "steps.jsonl")
     assert [s["step"] for s in steps] == [0, 1]
     assert (run / "summary.json").is_file()
 
 
-def test_killed_host_stops_the_launcher(tmp_path):
+@pytest.mark.parametrize("victim", ["host", "launcher"])
+def test_a_killed_process_ends_the_whole_launch(tmp_path, victim):
+    """SIGKILL of one host stops the others; SIGTERM of the launcher (a scheduler, a benchmark
+    timeout) stops every host rather than orphaning them. Either way within 60 s."""
     cmd = [sys.executable, "-m", "tunix_mcjax.launch", "--hosts", "2", "--devices-per-host",
            "2", "recipes/cpu/demo.yml", *TINY, "steps=100000",
            f"base_output_directory={tmp_path}", "run_name=kill"]
     launcher = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, text=True)
     try:
-        lines = []
         for line in launcher.stdout:  # wait until training is under way
-            lines.append(line)
             if "step    2 |" in line:
                 break
-        victim = next(c for c in psutil.Process(launcher.pid).children()
-                      if c.environ().get("TUNIX_MCJAX_PROCESS_ID") == "1")
-        victim.send_signal(signal.SIGKILL)
+        hosts = psutil.Process(launcher.pid).children()
+        if victim == "host":
+            next(h for h in hosts if h.environ().get("TUNIX_MCJAX_PROCESS_ID") == "1").kill()
+        else:
+            launcher.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         out, _ = launcher.communicate(timeout=60)
         elapsed = time.monotonic() - t0
+        _, alive = psutil.wait_procs(hosts, timeout=5)
     finally:
         if launcher.poll() is None:
             launcher.kill()
-    assert launcher.returncode != 0
     assert elapsed < 60
-    assert "host 1 exited with code -9" in out
+    assert not alive, f"hosts left running: {[h.pid for h in alive]}"
+    if victim == "host":
+        assert launcher.returncode != 0
+        assert "host 1 exited with code -9" in out
+    else:
+        assert launcher.returncode == 128 + signal.SIGTERM
+        assert "launch: SIGTERM; stopping all hosts" in out
