@@ -1,4 +1,5 @@
-"""Orbax checkpoints of the trainer state (params, optimizer state), saved by all hosts together.
+"""Orbax checkpoints of the run state (params, optimizer state, O3's output-length history),
+saved by all hosts together.
 
 A save is atomic (Orbax writes to a temporary directory and renames on success), so a crash
 mid-save leaves the previous checkpoint intact. A run that finds a checkpoint in its directory
@@ -11,13 +12,14 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import numpy as np
 import orbax.checkpoint as ocp
 
 
 class Checkpointer:
     def __init__(self, directory: Path, max_to_keep: int):
         self.manager = ocp.CheckpointManager(
-            directory.absolute(),
+            directory.absolute(), item_handlers=ocp.StandardCheckpointHandler(),
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
 
     def latest_step(self) -> int | None:
@@ -28,8 +30,15 @@ class Checkpointer:
         self.manager.wait_until_finished()
 
     def restore(self, step: int, like: dict[str, Any]) -> dict[str, Any]:
-        """Restores into `like`'s tree structure, shapes and shardings."""
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, like)
+        """Restores into `like`'s tree structure, shapes and shardings (numpy leaves stay numpy).
+
+        Top-level entries of `like` that the checkpoint does not hold (it predates them) are
+        left out of the result.
+        """
+        saved = self.manager.item_metadata(step).keys()
+        like = {k: v for k, v in like.items() if k in saved}
+        abstract = jax.tree.map(
+            lambda x: x if isinstance(x, np.ndarray) else ocp.utils.to_shape_dtype_struct(x), like)
         restored = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
         # Orbax returns plain tuples for optax's named tuples: rebuild the original structure.
         return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(restored))

@@ -151,12 +151,17 @@ class ColocatedRuntime:
         with self.watchdog.guard("restore"):
             state = self.checkpointer.restore(step, self._train_state())
         self.trainer.params, self.trainer.opt_state = state["params"], state["opt_state"]
+        if "output_len" in state:
+            self.output_len_sum, self.output_len_count = np.array(state["output_len"])
         if self.topo.is_leader:
             print(f"resumed from {self.cfg.checkpoint_dir} step {step}", flush=True)
         return step + 1
 
     def _train_state(self) -> dict:
-        return {"params": self.trainer.params, "opt_state": self.trainer.opt_state}
+        """What a resume needs: the trainer state, and the output-length history that O3's
+        expected-output weights admit by (kept whatever the flags, so they may change)."""
+        return {"params": self.trainer.params, "opt_state": self.trainer.opt_state,
+                "output_len": np.stack([self.output_len_sum, self.output_len_count])}
 
     def _maybe_save(self, step: int) -> None:
         last = step == self.cfg.steps - 1
