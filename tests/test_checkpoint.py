@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+import numpy as np
+
 from tests.mp import TINY, launch, read_jsonl
+from tunix_mcjax.checkpoint import Checkpointer
 
 # Batches repeat every 2 steps and O3 weighs observed output lengths (which vary: up to 36
 # tokens, EOS honoured), so steps 2-3 are admitted by what steps 0-1 decoded: a resume must
@@ -37,3 +41,24 @@ def test_resume_matches_uninterrupted_run(tmp_path):
                                                            / f"host_{host}.jsonl")]
     kept = sorted(p.name for p in (tmp_path / "resumed" / "checkpoints").iterdir())
     assert kept == ["1", "3"]
+
+
+def test_checkpoint_without_newer_entries_restores_the_rest(tmp_path):
+    """A checkpoint that predates an entry of the run state restores everything else."""
+    ckpt = Checkpointer(tmp_path / "ckpt", max_to_keep=1)
+    ckpt.save(0, {"params": {"w": jnp.arange(3.0)}})
+    like = {"params": {"w": jnp.zeros(3)}, "output_len": np.zeros((2, 5))}
+    restored = ckpt.restore(0, like)
+    ckpt.close()
+    assert restored.keys() == {"params"}
+    np.testing.assert_array_equal(restored["params"]["w"], [0.0, 1.0, 2.0])
+
+
+def test_numpy_entries_restore_as_numpy(tmp_path):
+    ckpt = Checkpointer(tmp_path / "ckpt", max_to_keep=1)
+    lengths = np.array([[3.0, 0.0, 7.5], [1.0, 0.0, 2.0]])
+    ckpt.save(4, {"params": {"w": jnp.ones(2)}, "output_len": lengths})
+    restored = ckpt.restore(4, {"params": {"w": jnp.zeros(2)}, "output_len": np.zeros((2, 3))})
+    ckpt.close()
+    assert isinstance(restored["output_len"], np.ndarray)
+    np.testing.assert_array_equal(restored["output_len"], lengths)
