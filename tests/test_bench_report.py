@@ -77,3 +77,17 @@ def test_output_length_correlation_needs_prompts_seen_twice():
     with pytest.raises(ValueError, match="both passes"):
         report.output_length_correlation(_host_records({0: 5.0, 1: 6.0}, {2: 7.0}),
                                          FIRST_SCORED)
+
+
+def test_decode_token_imbalance_is_busiest_host_over_mean_on_second_pass():
+    records = [
+        {"step": 0, "completion_tokens": 900.0}, {"step": 0, "completion_tokens": 100.0},
+        {"step": FIRST_SCORED, "completion_tokens": 300.0},
+        {"step": FIRST_SCORED, "completion_tokens": 100.0},
+        {"step": FIRST_SCORED + 1, "completion_tokens": 200.0},
+        {"step": FIRST_SCORED + 1, "completion_tokens": 200.0},
+        {"step": FIRST_SCORED + 2, "completion_tokens": 250.0},
+        {"step": FIRST_SCORED + 2, "completion_tokens": 150.0},
+    ]
+    # Second-pass steps give 1.5, 1.0 and 1.25; the first pass (1.8) does not count.
+    assert report.decode_token_imbalance(records, FIRST_SCORED) == pytest.approx(1.25)

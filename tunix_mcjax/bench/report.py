@@ -106,6 +106,18 @@ def output_length_correlation(host_records: list[dict], first_scored: int) -> fl
     return float(np.corrcoef(first, second)[0, 1])
 
 
+def decode_token_imbalance(host_records: list[dict], first_scored: int) -> float:
+    """Median over second-pass steps of the busiest host's decoded tokens over the hosts' mean:
+    how evenly an assignment spread the rollout work, free of timing noise."""
+    by_step: dict[int, list[float]] = {}
+    for r in host_records:
+        if r["step"] >= first_scored:
+            by_step.setdefault(r["step"], []).append(r["completion_tokens"])
+    if not by_step:
+        raise ValueError(f"no host records from step {first_scored}")
+    return float(np.median([max(t) / np.mean(t) for t in by_step.values()]))
+
+
 def arm_summary(a: ArmRun, first_scored: int) -> dict:
     scored = a.log.scored(first_scored)
     if not scored:
@@ -267,8 +279,12 @@ def markdown(report: dict) -> str:
             f"{k} {v:.3f}" for k, v in report["tunix_layouts"].items()), ""]
     if "output_length_r" in report:
         lines += ["Output-length predictability (Pearson r of each prompt's mean output length, "
-                  "first pass vs second, base arm): " + ", ".join(
+                  "first pass vs second, base arm, per launch): " + ", ".join(
                       f"{r:.2f}" for r in report["output_length_r"]), ""]
+    if "decode_token_imbalance" in report:
+        lines += ["Decoded tokens per host, max/mean (median over second-pass steps, per launch): "
+                  + "; ".join(f"{arm} " + ", ".join(f"{x:.3f}" for x in values)
+                              for arm, values in report["decode_token_imbalance"].items()), ""]
     lines += [report["host_share_definition"], ROLLOUT_IMBALANCE, ""]
     return "\n".join(lines)
 

@@ -180,6 +180,18 @@ def _host_records(run_dir: Path) -> list[dict]:
             for line in path.read_text().splitlines() if line.strip()]
 
 
+def _balance_context(runs: list[Run], out: Path, first_scored: int, hosts: int) -> dict:
+    """Per launch: the base arm's output-length predictability, every arm's token balance."""
+    logs = {run: _host_records(out / "runs" / run.name) for run in runs if run.hosts == hosts}
+    imbalance: dict[str, list[float]] = {}
+    for run, records in logs.items():
+        imbalance.setdefault(run.arm, []).append(
+            report.decode_token_imbalance(records, first_scored))
+    return {"output_length_r": [report.output_length_correlation(records, first_scored)
+                                for run, records in logs.items() if run.arm == "mcjax"],
+            "decode_token_imbalance": imbalance}
+
+
 def collect(runs: list[Run], out: Path, first_scored: int) -> tuple[list[report.ArmRun], dict]:
     """Loads every run; per host count, the Tunix layout with the fastest pooled median is the
     tunix arm."""
@@ -261,10 +273,7 @@ def main(argv: list[str] | None = None) -> None:
     if layouts:
         context["tunix_layouts"] = layouts
     if args.balance:
-        context["output_length_r"] = [
-            report.output_length_correlation(_host_records(out / "runs" / run.name),
-                                             first_scored)
-            for run in runs if run.arm == "mcjax" and run.hosts == max(args.hosts)]
+        context.update(_balance_context(runs, out, first_scored, max(args.hosts)))
     rep = report.build_report(arm_runs, "mcjax", first_scored,
                               ablation=args.ablation or args.balance, context=context)
     for path in report.write(rep, out):
