@@ -7,23 +7,31 @@ DEVICES ?= 2
 
 .PHONY: setup demo test test-all lint lock clean
 
-setup: $(VENV)/.installed
+setup: $(VENV)/.patched
 
 $(VENV)/.installed: setup.py constraints.txt
 	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 is required (see tools/python312)"; exit 1; }
 	$(PYTHON312) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -c constraints.txt -e '.[dev]'
-	$(PY) -m pip install -q -c constraints.txt -e '.[maxtext]' && $(PY) -m tunix_mcjax.patches apply maxtext
+	$(PY) -m pip install -q -c constraints.txt -e '.[maxtext]'
 	touch $@
 
-demo: $(VENV)/.installed
+# The MaxText patch series, applied to the installed copy. When the series changed since it was
+# applied (`check` refuses), MaxText is first reinstalled pristine.
+$(VENV)/.patched: $(VENV)/.installed $(wildcard patches/maxtext/*.patch)
+	$(PY) -m tunix_mcjax.patches check maxtext >/dev/null 2>&1 || \
+	  $(PY) -m pip install -q --force-reinstall --no-deps -c constraints.txt maxtext
+	$(PY) -m tunix_mcjax.patches apply maxtext
+	touch $@
+
+demo: $(VENV)/.patched
 	$(PY) -m tunix_mcjax.launch --hosts $(HOSTS) --devices-per-host $(DEVICES) recipes/cpu/demo.yml
 
-test: $(VENV)/.installed
+test: $(VENV)/.patched
 	$(PY) -m pytest -q
 
-test-all: $(VENV)/.installed
+test-all: $(VENV)/.patched
 	$(PY) -m pytest -q -m ""
 
 lint: $(VENV)/.installed

@@ -27,6 +27,7 @@ HONOURED: dict[str, str] = {
     "rl_async_metrics_export": "rl_async_metrics_export (O1)",
     "rl_gc_freeze_after_warmup": "rl_gc_freeze_after_warmup (O2)",
     "rl_balance_prompts_by_length": "rl_balance_prompts_by_length (O3)",
+    "rl_balance_by_expected_output": "rl_balance_by_expected_output (O3 by output length too)",
     "rl_publish_weights_single_call": "rl_publish_weights_single_call (O4)",
     # GRPO batch, lengths, steps.
     "batch_size": "batch_size (prompts per step)",
@@ -247,6 +248,7 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str) -> Config:
         "rl_async_metrics_export": config.rl_async_metrics_export,
         "rl_gc_freeze_after_warmup": config.rl_gc_freeze_after_warmup,
         "rl_balance_prompts_by_length": config.rl_balance_prompts_by_length,
+        "rl_balance_by_expected_output": config.rl_balance_by_expected_output,
         "rl_publish_weights_single_call": config.rl_publish_weights_single_call,
         "run_name": config.run_name,
         "base_output_directory": config.base_output_directory,
