@@ -54,7 +54,8 @@ def tunix_reference_update(cfg, npz) -> tuple[float, dict[str, np.ndarray]]:
         completion_ids=jax.numpy.asarray(completion_ids),
         completion_mask=jax.numpy.asarray(completion_ids != 0).astype(np.float32),
         advantages=jax.numpy.asarray(adv), ref_per_token_logps=ref, old_per_token_logps=None)
-    algo = types.SimpleNamespace(beta=cfg.grpo_beta, epsilon=cfg.grpo_epsilon, loss_algo="grpo",
+    algo = types.SimpleNamespace(beta=cfg.grpo_beta, epsilon=cfg.grpo_epsilon,
+                                 loss_algo=cfg.loss_algo,
                                  loss_agg_mode=cfg.loss_agg_mode, kl_loss_mode="kl",
                                  kl_clamp_value=None, temperature=1.0)
 
@@ -72,14 +73,14 @@ def tunix_reference_update(cfg, npz) -> tuple[float, dict[str, np.ndarray]]:
                          for k, v in nnx.to_flat_state(new)}
 
 
-@pytest.mark.parametrize("beta", [0.0, 0.1])
-def test_update_equals_tunix(tmp_path, beta):
+@pytest.mark.parametrize("beta,loss_algo", [(0.0, "grpo"), (0.1, "grpo"), (0.0, "gspo-token")])
+def test_update_equals_tunix(tmp_path, beta, loss_algo):
     # adam_eps well above fp32 summation noise: Adam's first step is lr * g / (|g| + eps), so
     # with a tiny eps a near-zero gradient entry amplifies reduction-order noise (4 devices vs
     # 1) into the update. The optimizer is otherwise the run's own.
     overrides = [*TINY, "batch_size=4", "num_generations=4", "max_prefill_predict_length=4",
                  "max_target_length=10", "learning_rate=0.01", f"grpo_beta={beta}",
-                 "adam_eps=1e-4",
+                 "adam_eps=1e-4", f"loss_algo={loss_algo}",
                  f"base_output_directory={tmp_path}", "run_name=upd"]
     proc = launch_worker("tests.workers.fixed_update", "recipes/cpu/demo.yml", overrides)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -67,3 +67,12 @@ def test_over_long_prompt_is_rejected():
     assert [len(t) for t in tokenize_prompts(tok, ["1=", "12="], 4)] == [3, 4]
     with pytest.raises(ConfigError, match=r"prompt 1 has 5 tokens, over max_prefill_predict"):
         tokenize_prompts(tok, ["1=", "123="], 4)
+
+
+def test_gspo_token_loads_and_is_refused_off_policy():
+    from tunix_mcjax.trainer import Trainer
+
+    cfg = load_config(DEMO, ["loss_algo=gspo-token"])
+    assert cfg.loss_algo == "gspo-token"
+    with pytest.raises(ValueError, match="only implemented on-policy"):
+        Trainer(cfg, None, None, None, off_policy=True)

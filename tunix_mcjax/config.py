@@ -152,7 +152,7 @@ _CHOICES = {
     "tokenizer_type": ("char", "huggingface"),
     "decode_sampling_strategy": ("weighted", "greedy"),
     "rollout_engine": ("jax",),
-    "loss_algo": ("grpo",),  # gspo-token: not implemented yet
+    "loss_algo": ("grpo", "gspo-token"),  # on-policy they are the same update (trainer.py)
     "loss_agg_mode": ("token-mean", "sequence-mean-token-mean"),
     "advantage_estimator": ("grpo",),
     "rl_runtime": ("mcjax", "single"),

@@ -1,10 +1,14 @@
 """The global FSDP train step: Tunix's GRPO loss on packed rows, one optax update.
 
 `grpo_token_terms` is the pure step math. It equals Tunix's `grpo_loss_fn` (tunix.rl.algo_core)
-for `loss_algo="grpo"`, `kl_loss_mode="kl"`, no dual clip, one iteration per batch (old logps =
-stop_gradient(current)); a test checks the update against Tunix's to 1e-5. Tunix's aggregation
-modes are linear in per-token terms, so they become fixed per-token weights computed on the host
-from global counts (`loss_weights`), which makes the loss exact across hosts and packed rows.
+for `kl_loss_mode="kl"`, no dual clip, one iteration per batch (old logps =
+stop_gradient(current)); a test checks the update against Tunix's to 1e-5. On-policy, Tunix's
+`loss_algo="gspo-token"` is the same update as "grpo": each token's ratio is
+exp(logp - sg(logp) + sg(sequence mean of log-ratios = 0)), GRPO's exactly, in value and
+gradient; the same test checks it. Off-policy they differ, so that combination is refused.
+Tunix's aggregation modes are linear in per-token terms, so they become fixed per-token weights
+computed on the host from global counts (`loss_weights`), which makes the loss exact across hosts
+and packed rows.
 """
 
 from __future__ import annotations
@@ -105,6 +109,9 @@ class Trainer:
 
     def __init__(self, cfg: Config, policy: Policy, params: nnx.State, mesh: jax.sharding.Mesh,
                  *, off_policy: bool = False, tx: optax.GradientTransformation | None = None):
+        if off_policy and cfg.loss_algo != "grpo":
+            raise ValueError(f"loss_algo={cfg.loss_algo} is only implemented on-policy (old logps "
+                             "= stop_gradient(current)), where it equals grpo")
         self.cfg, self.policy, self.mesh = cfg, policy, mesh
         self.tx = tx or make_optimizer(cfg)
         self.params = params

@@ -54,7 +54,7 @@ HONOURED: dict[str, str] = {
     # GRPO loss.
     "rl.grpo_beta": "grpo_beta",
     "rl.grpo_epsilon": "grpo_epsilon",
-    "rl.loss_algo": "loss_algo (grpo)",
+    "rl.loss_algo": "loss_algo (grpo, gspo-token)",
     "rl.loss_agg_mode": "loss_agg_mode",
     # Data: MaxText's pipeline (train_rl.prepare_datasets) and prompt template.
     "dataset_name": "MaxText's data pipeline",
@@ -295,9 +295,6 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str) -> Config:
         "loss_algo": rl.loss_algo,
         "loss_agg_mode": rl.loss_agg_mode,
     }
-    if rl.loss_algo != "grpo":
-        raise ConfigError(f"rl.loss_algo={rl.loss_algo}: rl_runtime=mcjax trains with "
-                          "loss_algo=grpo only (gspo-token is not implemented yet)")
     if str(config.base_output_directory).startswith("gs://"):
         raise ConfigError(
             f"base_output_directory={config.base_output_directory}: rl_runtime=mcjax writes its "
