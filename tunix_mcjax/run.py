@@ -8,7 +8,6 @@ _PROCESS_ID for local multi-process runs.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from tunix_mcjax.config import ConfigError, load_config
@@ -29,13 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     from tunix_mcjax import topology
     from tunix_mcjax.runtime import colocated
 
-    env = os.environ
-    if "TUNIX_MCJAX_COORDINATOR" in env:
-        topo = topology.initialize(env["TUNIX_MCJAX_COORDINATOR"],
-                                   int(env["TUNIX_MCJAX_NUM_PROCESSES"]),
-                                   int(env["TUNIX_MCJAX_PROCESS_ID"]))
-    else:
-        topo = topology.initialize()
+    topo = topology.initialize_from_env()
     try:
         colocated.run(cfg, topo)
     except ConfigError as e:

@@ -49,6 +49,16 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     return current()
 
 
+def initialize_from_env() -> Topology:
+    """`initialize` from `tunix_mcjax.launch`'s TUNIX_MCJAX_* variables when set, else from the
+    cluster's own discovery (TPU/GPU launchers), else as a single process."""
+    env = os.environ
+    if "TUNIX_MCJAX_COORDINATOR" not in env:
+        return initialize()
+    return initialize(env["TUNIX_MCJAX_COORDINATOR"], int(env["TUNIX_MCJAX_NUM_PROCESSES"]),
+                      int(env["TUNIX_MCJAX_PROCESS_ID"]))
+
+
 def current() -> Topology:
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
     return Topology(jax.process_index(), jax.process_count(),

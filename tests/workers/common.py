@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 from tunix_mcjax import topology
@@ -11,8 +10,4 @@ from tunix_mcjax.config import Config, load_config
 
 def start() -> tuple[Config, topology.Topology]:
     cfg = load_config(sys.argv[1], sys.argv[2:])
-    env = os.environ
-    topo = topology.initialize(env["TUNIX_MCJAX_COORDINATOR"],
-                               int(env["TUNIX_MCJAX_NUM_PROCESSES"]),
-                               int(env["TUNIX_MCJAX_PROCESS_ID"]))
-    return cfg, topo
+    return cfg, topology.initialize_from_env()

@@ -26,23 +26,12 @@ _WATCHED_MODULES = ("vllm", "tpu_inference")
 
 def main(argv: Sequence[str], kwargs: dict | None = None) -> None:
     """MaxText's `rl_runtime=mcjax`: `argv` is train_rl's (program, [config.yml], key=value...)."""
-    topo = start_distributed()
+    topo = topology.initialize_from_env()
     try:
         run(argv, kwargs or {}, topo)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)
-
-
-def start_distributed() -> topology.Topology:
-    """`jax.distributed.initialize`: from our launcher's variables, else the cluster's own
-    discovery (TPU/GPU launchers), else a single process."""
-    env = os.environ
-    if "TUNIX_MCJAX_COORDINATOR" in env:
-        return topology.initialize(env["TUNIX_MCJAX_COORDINATOR"],
-                                   int(env["TUNIX_MCJAX_NUM_PROCESSES"]),
-                                   int(env["TUNIX_MCJAX_PROCESS_ID"]))
-    return topology.initialize()
 
 
 def load_maxtext_config(argv: Sequence[str], kwargs: dict) -> tuple[Any, Any]:

@@ -248,21 +248,21 @@ class ColocatedRuntime:
             train_metrics = self.trainer.step(local)
         with timer.phase("publish"), self.watchdog.guard("publish"):
             self.publisher.publish(self.trainer.engine_params(), self.engine)
-        self._record_lengths(local_idx, completions)
+        lens = np.array([len(c.tokens) for c in completions])
+        lens_by_prompt = lens.reshape(len(local_idx), -1).mean(1)
+        self._record_lengths(local_idx, lens_by_prompt)
         record = self._host_record(step, local_idx, global_idx, timer, reward, correct,
-                                   completions, train_metrics)
+                                   completions, lens, lens_by_prompt, train_metrics)
         self.exporter.export({"kind": "host", **record})
         self._pending = (step, record)
         if not cfg.rl_async_metrics_export:
             self._flush_metrics()
 
-    def _record_lengths(self, local_idx, completions) -> None:
-        """Completion lengths per prompt, shared by all hosts for O3's expected-output weights."""
+    def _record_lengths(self, local_idx, lens_by_prompt) -> None:
+        """Mean completion length per prompt, shared by all hosts for O3's expected output."""
         if not self.cfg.rl_balance_by_expected_output:
             return
-        g = self.cfg.num_generations
-        lens = np.array([len(c.tokens) for c in completions], np.float64).reshape(-1, g).mean(1)
-        mine = np.stack([local_idx.astype(np.float64), lens], axis=1)
+        mine = np.stack([local_idx.astype(np.float64), lens_by_prompt], axis=1)
         with self.watchdog.guard("lengths"):
             every = topology.allgather(mine).reshape(-1, 2)
         idx = every[:, 0].astype(int)
@@ -273,21 +273,19 @@ class ColocatedRuntime:
         return self.engine.compile_count + self.trainer.compile_count
 
     def _host_record(self, step, local_idx, global_idx, timer, reward, correct, completions,
-                     train_metrics) -> dict:
-        lens = [len(c.tokens) for c in completions]
-        by_prompt = np.reshape(lens, (len(local_idx), -1)).mean(1)
+                     lens, lens_by_prompt, train_metrics) -> dict:
         compiles = self._compile_count()
         compiled, self._compiles = compiles > self._compiles, compiles
         phase = {f"{p}_s": timer.seconds.get(p, 0.0) for p in metrics.PHASES}
         return {
             "step": step, "host": self.topo.host, "step_s": timer.total(), **phase,
             "reward_sum": float(reward.sum()), "correct_sum": float(correct.sum()),
-            "completions": len(completions), "completion_tokens": sum(lens),
-            "completion_len_max": max(lens), "prompts": len(local_idx),
+            "completions": len(completions), "completion_tokens": int(lens.sum()),
+            "completion_len_max": int(lens.max()), "prompts": len(local_idx),
             "truncated": sum(c.finish_reason == "length" for c in completions),
             "prompt_tokens": int(self.prompt_lengths[local_idx].sum()),
             "compiled": int(compiled), "local_prompt_indices": local_idx.tolist(),
-            "completion_len_by_prompt": by_prompt.round(2).tolist(),
+            "completion_len_by_prompt": lens_by_prompt.round(2).tolist(),
             "global_prompt_indices": global_idx.tolist(), **train_metrics,
         }
 
