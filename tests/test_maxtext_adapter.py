@@ -189,10 +189,10 @@ def test_pathways_and_vllm_settings_are_reported_not_applied():
 
 def test_unsupported_settings_are_refused_by_name(monkeypatch):
     with pytest.raises(ConfigError) as err:
-        checked_config(maxtext_argv("max_seq_token_per_tpu=1024", "rl.num_iterations=2",
+        checked_config(maxtext_argv("max_seq_token_per_tpu=4096", "rl.num_iterations=2",
                                     "attention=autoselected", "max_target_length=2048"), {}, 1)
     msg = str(err.value)
-    for key in ("max_seq_token_per_tpu=1024", "rl.num_iterations=2",
+    for key in ("max_seq_token_per_tpu=4096", "rl.num_iterations=2",
                 "attention='autoselected'", "token-budget micro-batching", "GRPO mu"):
         assert key in msg
     assert "max_target_length" not in msg  # honoured, so not named
