@@ -168,6 +168,13 @@ def test_gather_params_once_choice(setting, count, devices, hbm, want):
                                      num_devices=devices, device_memory_bytes=hbm) is want
 
 
+def test_device_memory_bytes():
+    accelerator = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 95 * GIB})
+    cpu = types.SimpleNamespace(memory_stats=lambda: None)
+    assert memory.device_memory_bytes(accelerator, 4) == 95 * GIB
+    assert 0 < memory.device_memory_bytes(cpu, 4) * 4 <= memory.device_memory_bytes(cpu, 1)
+
+
 def test_micro_batch_layout():
     assert memory.num_micro_batches(8, -1) == memory.num_micro_batches(8, 8) == 1
     assert memory.num_micro_batches(8, 2) == 4
