@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 from tunix.models.qwen3 import model as qwen3
 from tunix.models.qwen3 import params as qwen3_params
@@ -82,8 +84,6 @@ def create_model(mc: qwen3.ModelConfig, seed: int, mesh: jax.sharding.Mesh | Non
 
 def load_model(mc: qwen3.ModelConfig, path: str, mesh: jax.sharding.Mesh | None = None):
     """Qwen3 from a local Hugging Face safetensors directory (Tunix's loader), sharded on mesh."""
-    from pathlib import Path
-
     if not Path(path).is_dir() or not any(Path(path).glob("*.safetensors")):
         raise ConfigError(f"load_parameters_path={path!r} is not a directory with *.safetensors "
                           "files (a Hugging Face Qwen3 checkpoint)")
@@ -96,3 +96,38 @@ def build_model(cfg: Config, mc: qwen3.ModelConfig, mesh: jax.sharding.Mesh | No
         return load_model(mc, cfg.load_parameters_path, mesh)
     return create_model(mc, cfg.init_weights_seed, mesh)
 
+
+
+def hf_state_dict(model: nnx.Module, mc: qwen3.ModelConfig) -> dict[str, np.ndarray]:
+    """The model's params under Hugging Face Qwen3 names and layouts ([out, in] matrices): what
+    `load_model` (Tunix's loader) reads back exactly. Tied embeddings: no `lm_head`."""
+    flat = {"/".join(map(str, k)): np.asarray(v.get_value())
+            for k, v in nnx.to_flat_state(nnx.state(model, nnx.Param))}
+    out = {"model.embed_tokens.weight": flat["embedder/input_embedding"],
+           "model.norm.weight": flat["final_norm/w"]}
+    if not mc.use_tied_embedding:
+        out["lm_head.weight"] = flat["lm_head/w"].T
+    for i in range(mc.num_layers):
+        p, hf = f"layers/{i}/", f"model.layers.{i}."
+        for name in ("q_proj", "k_proj", "v_proj"):
+            w = flat[f"{p}attn/{name}/w"]
+            out[f"{hf}self_attn.{name}.weight"] = w.reshape(w.shape[0], -1).T
+        o = flat[f"{p}attn/o_proj/w"]
+        out[f"{hf}self_attn.o_proj.weight"] = o.reshape(-1, o.shape[-1]).T
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            out[f"{hf}mlp.{name}.weight"] = flat[f"{p}mlp/{name}/kernel"].T
+        out[f"{hf}self_attn.q_norm.weight"] = flat[f"{p}attn/q_norm/w"]
+        out[f"{hf}self_attn.k_norm.weight"] = flat[f"{p}attn/k_norm/w"]
+        out[f"{hf}input_layernorm.weight"] = flat[f"{p}input_layernorm/w"]
+        out[f"{hf}post_attention_layernorm.weight"] = flat[f"{p}post_attention_layernorm/w"]
+    return {k: np.ascontiguousarray(v) for k, v in out.items()}
+
+
+def save_safetensors(model: nnx.Module, mc: qwen3.ModelConfig, path: str | Path) -> Path:
+    """Writes `path/model.safetensors`, a checkpoint `load_parameters_path=path` starts from."""
+    from safetensors.numpy import save_file
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    out = Path(path) / "model.safetensors"
+    save_file(hf_state_dict(model, mc), str(out))
+    return out

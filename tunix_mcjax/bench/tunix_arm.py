@@ -99,7 +99,7 @@ def run(cfg, layout: str) -> Path:
     from tunix.rl.rollout import base_rollout
 
     from tunix_mcjax.admission import global_prompt_indices
-    from tunix_mcjax.models import create_model, model_config
+    from tunix_mcjax.models import build_model, model_config
     from tunix_mcjax.tasks import load_task
     from tunix_mcjax.tokenizer import load_tokenizer
     from tunix_mcjax.trainer import make_optimizer
@@ -108,7 +108,7 @@ def run(cfg, layout: str) -> Path:
     task = load_task(cfg)
     mesh = make_mesh(layout)
     mc = model_config(cfg, len(tokenizer))
-    actor = create_model(mc, cfg.init_weights_seed, mesh)
+    actor = build_model(cfg, mc, mesh)  # load_parameters_path, else random init
     reference = nnx.clone(actor) if cfg.grpo_beta else None
 
     completion_budget = cfg.max_completion_length
