@@ -3,6 +3,10 @@
 Under a cluster launcher (one process per host) `jax.distributed.initialize()` finds its peers
 from the environment. `tunix_mcjax.launch` sets TUNIX_MCJAX_COORDINATOR / _NUM_PROCESSES /
 _PROCESS_ID for local multi-process runs.
+
+Exit status: 0 done; 2 bad config (found up front or at start-up); 1 any other failure, which
+also ends every other host within seconds (`topology.abort`); 3 a watchdog deadline;
+143 preempted (SIGTERM on any host: every host saved at the same step, rerun to resume).
 """
 
 from __future__ import annotations
@@ -11,6 +15,8 @@ import argparse
 import sys
 
 from tunix_mcjax.config import ConfigError, load_config
+
+CONFIG_EXIT_CODE = 2
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,17 +29,26 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(args.recipe, args.overrides)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
-        return 2
+        return CONFIG_EXIT_CODE
 
     from tunix_mcjax import topology
     from tunix_mcjax.runtime import colocated
+    from tunix_mcjax.runtime.recovery import Preempted
 
     topo = topology.initialize_from_env()
+    topology.install_single_process_sigterm()
     try:
         colocated.run(cfg, topo)
+    except Preempted as e:
+        print(e, file=sys.stderr, flush=True)
+        return topology.PREEMPTED_EXIT_CODE
     except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
+        topology.abort(f"host {topo.host}: config error: {e}", CONFIG_EXIT_CODE)
+    except BaseException as e:  # noqa: BLE001 - every failure must end every host, fast
+        import traceback
+
+        traceback.print_exc()
+        topology.abort(f"host {topo.host}: {type(e).__name__}: {e}")
     return 0
 
 

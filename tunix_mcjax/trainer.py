@@ -156,11 +156,17 @@ class Trainer:
     def _update(self, params, opt_state, ref_params, batch, off_policy):
         (loss, aux), grads = jax.value_and_grad(self._loss, has_aux=True)(
             params, ref_params, batch, off_policy)
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        grad_norm = optax.global_norm(grads)
+        updates, new_opt_state = self.tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # A non-finite loss or gradient is never applied: params and optimizer state stay.
+        finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+        params = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_params, params)
+        opt_state = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new_opt_state, opt_state)
         params = jax.lax.with_sharding_constraint(params, self.param_shardings)
         opt_state = jax.lax.with_sharding_constraint(opt_state, self.opt_shardings)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        return params, opt_state, {"loss": loss, "grad_norm": grad_norm,
+                                   "finite": finite.astype(jnp.float32), **aux}
 
     def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global row-sharded arrays from every host's equally sized local rows."""
