@@ -24,6 +24,7 @@ WATCHDOG_EXIT_CODE = 3
 ABORT_EXIT_CODE = 1
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as a process killed by the notice would report
 _ABORT_KEY = "tunix_mcjax/abort"
+_ABORT_LINGER_S = 2.0  # a failing host keeps the coordination service up this long for peers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,15 +102,22 @@ def _client():
 def abort(message: str, exit_code: int = ABORT_EXIT_CODE) -> None:
     """Ends this process now with `message`, and tells every other host to end too.
 
-    Skips the interpreter's exit path on purpose: JAX's atexit shutdown waits (minutes) at a
-    barrier for every host, which the others, blocked in a collective, never reach.
+    When another host failed first (this failure is then usually its consequence: a collective
+    cut short), its message is repeated instead. Skips the interpreter's exit path on purpose:
+    JAX's atexit shutdown waits (minutes) at a barrier for every host, which the others, blocked
+    in a collective, never reach.
     """
+    first = peer_abort()
+    if first is not None:
+        print(f"{message}\n(stopping because another host failed first: {first})",
+              file=sys.stderr, flush=True)
+        os._exit(exit_code)
     print(message, file=sys.stderr, flush=True)
     client = _client()
     if client is not None:
         try:
             client.key_value_set(_ABORT_KEY, message)
-            time.sleep(2.0)  # this host may run the coordination service: let peers read it
+            time.sleep(_ABORT_LINGER_S)  # this host may run the coordination service
         except Exception as e:  # the service is already gone: peers learn from JAX itself
             print(f"(could not notify the other hosts: {e})", file=sys.stderr, flush=True)
     sys.stdout.flush()
@@ -187,6 +195,7 @@ class Watchdog:
             if peer is not None:
                 print(f"host {self.host}: stopping in phase {phase!r} because another host "
                       f"failed: {peer}", file=sys.stderr, flush=True)
+                time.sleep(2 * _ABORT_LINGER_S)  # let the failing host exit first, cleanly
                 os._exit(ABORT_EXIT_CODE)
             if late:
                 print(f"host {self.host}: phase {phase!r} waited more than {budget:.0f}s "

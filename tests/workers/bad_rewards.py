@@ -13,3 +13,15 @@ def raises_on_host_1(prompts, completions, **_) -> list[float]:
 
 def nan_reward(prompts, completions, **_) -> list[float]:
     return [float("nan")] * len(completions)
+
+
+_calls = {"n": 0}
+
+
+def overflows_after_first_step(prompts, completions, **_) -> list[float]:
+    """Finite rewards whose group sums overflow float32 from the second call on, so advantages
+    and then the loss are NaN: the trainer's non-finite gate has to catch it."""
+    _calls["n"] += 1
+    if _calls["n"] == 1:
+        return [float(j % 2) for j in range(len(completions))]
+    return [3e38 if j % 2 == 0 else 0.0 for j in range(len(completions))]
