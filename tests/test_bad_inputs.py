@@ -247,3 +247,13 @@ def test_corrupt_checkpoint_falls_back_and_changed_config_is_refused(tmp_path):
     assert elapsed < 200
     assert "was trained under a different config: grpo_beta: 0.0 -> 0.1; learning_rate: " \
            "0.003 -> 0.01" in out
+
+
+def test_missing_tokenizer_dir_is_a_config_error(tmp_path):
+    from tunix_mcjax.tokenizer import load_tokenizer
+
+    t0 = time.monotonic()
+    with pytest.raises(ConfigError, match=r"tokenizer_path='.*nowhere' does not load as a "
+                                          r"Hugging Face tokenizer"):
+        load_tokenizer("huggingface", str(tmp_path / "nowhere"))
+    assert time.monotonic() - t0 < 30

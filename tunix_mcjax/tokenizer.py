@@ -7,6 +7,8 @@ import string
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
+from tunix_mcjax.config import ConfigError
+
 PAD, BOS, EOS = "<pad>", "<bos>", "<eos>"
 UNK = "<unk>"  # not in the char vocabulary: an unknown character is an error, never pad
 CHARS = string.digits + string.ascii_letters + string.punctuation + " \n"
@@ -32,4 +34,9 @@ def unknown_characters(tokenizer, text: str) -> str:
 def load_tokenizer(tokenizer_type: str, tokenizer_path: str = ""):
     if tokenizer_type == "char":
         return char_tokenizer()
-    return AutoTokenizer.from_pretrained(tokenizer_path)
+    try:
+        return AutoTokenizer.from_pretrained(tokenizer_path)
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"tokenizer_path={tokenizer_path!r} does not load as a Hugging Face "
+                          f"tokenizer ({e}). Point it at a local directory holding "
+                          "tokenizer.json or tokenizer_config.json.") from e
