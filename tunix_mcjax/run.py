@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from tunix_mcjax.config import ConfigError, load_config
 
@@ -33,12 +34,19 @@ def main(argv: list[str] | None = None) -> int:
 
     from tunix_mcjax import topology
     from tunix_mcjax.runtime import colocated
-    from tunix_mcjax.runtime.recovery import Preempted
 
     topo = topology.initialize_from_env()
+    return guarded(topo, lambda: colocated.run(cfg, topo))
+
+
+def guarded(topo, body: Callable[[], object]) -> int:
+    """Runs one host's `body`; returns its exit status. Any failure ends every host, fast."""
+    from tunix_mcjax import topology
+    from tunix_mcjax.runtime.recovery import Preempted
+
     topology.install_single_process_sigterm()
     try:
-        colocated.run(cfg, topo)
+        body()
     except Preempted as e:
         print(e, file=sys.stderr, flush=True)
         return topology.PREEMPTED_EXIT_CODE

@@ -64,12 +64,16 @@ class ColocatedRuntime:
     """One host's controller: owns its engine, its share of the batch, its metrics."""
 
     def __init__(self, cfg: Config, topo: topology.Topology,
-                 components: Components | None = None,
+                 components: Components | Callable[[], Components] | None = None,
                  engine_factory: EngineFactory = default_engine):
+        """`components`: prebuilt, or a function that builds them (run under the watchdog)."""
         cfg.validate_topology(topo.num_hosts, len(topo.local_devices))
         self.cfg, self.topo = cfg, topo
         self.watchdog = topology.Watchdog(topo.host, cfg.collective_timeout_s,
                                           cfg.compile_timeout_s)
+        if callable(components):
+            with self.watchdog.guard("build", compiles=True):
+                components = components()
         tokenizer = components.tokenizer if components else \
             load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
         # Prompts over the budget go before any device work (MaxText filters its data too).
