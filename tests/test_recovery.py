@@ -3,6 +3,7 @@ host. Either way the rerun's step records equal an unbroken run's, each step onc
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -24,7 +25,13 @@ def _args(tmp_path, name):
 
 
 def _algorithmic(run_dir):
-    return [{k: r[k] for k in SAME} for r in read_jsonl(run_dir / "steps.jsonl")]
+    steps = read_jsonl(run_dir / "steps.jsonl")
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["steps"] == len(steps)  # the summary covers the whole run, not a segment
+    for host in (0, 1):
+        assert [r["step"] for r in read_jsonl(run_dir / f"host_{host}.jsonl")] == \
+            [r["step"] for r in steps]
+    return [{k: r[k] for k in SAME} for r in steps]
 
 
 @pytest.fixture(scope="module")

@@ -113,7 +113,6 @@ class ColocatedRuntime:
         self._pending: tuple[int, dict] | None = None  # last step's host record, not yet global
         self._step_start: dict[int, float] = {}
         self._seen_k: set[int] = set()  # rows per device the train step has compiled for
-        self._last_train: dict[str, float] = {}
         self._compiles = self._compile_count()
 
     # --- checkpoints -----------------------------------------------------------------------
@@ -199,7 +198,6 @@ class ColocatedRuntime:
         self._seen_k.add(k)
         with timer.phase("train"), self.watchdog.guard("train", compiles=compiles):
             train_metrics = self.trainer.step(local)
-        self._last_train = train_metrics
         # A step the trainer did not apply (non-finite) changed nothing: nothing to publish.
         if self.nonfinite.applied(step, train_metrics, self.state.describe_last()):
             with timer.phase("publish"), self.watchdog.guard("publish", compiles=compiles):
@@ -210,6 +208,7 @@ class ColocatedRuntime:
         self._record_lengths(local_idx, lens_by_prompt)
         record = self._host_record(step, local_idx, global_idx, timer, reward, correct,
                                    completions, lens, lens_by_prompt, train_metrics)
+        record["rows_per_device"] = k
         self.exporter.export({"kind": "host", **record})
         self._pending = (step, record)
         if not cfg.rl_async_metrics_export:
