@@ -257,3 +257,34 @@ def test_missing_tokenizer_dir_is_a_config_error(tmp_path):
                                           r"Hugging Face tokenizer"):
         load_tokenizer("huggingface", str(tmp_path / "nowhere"))
     assert time.monotonic() - t0 < 30
+
+
+WATCHDOG = """
+import time
+from tunix_mcjax.topology import Watchdog
+w = Watchdog(0, timeout_s=1.0, compile_timeout_s=8.0)
+with w.guard("train", compiles=True):
+    time.sleep(3)  # a compile outlasting collective_timeout_s is fine
+print("compile survived", flush=True)
+with w.guard("pack"):
+    time.sleep(30)
+"""
+
+
+def test_stuck_phase_ends_by_its_own_budget():
+    t0 = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", WATCHDOG], cwd=REPO, capture_output=True,
+                          text=True, timeout=60)
+    elapsed = time.monotonic() - t0
+    assert proc.returncode == 3, proc.stderr
+    assert "compile survived" in proc.stdout
+    assert elapsed < 20
+    assert "host 0: phase 'pack' waited more than 1s on other hosts (one is dead or stuck); " \
+           "aborting. Raise collective_timeout_s if this phase is just slow." in proc.stderr
+
+
+def test_a_watchdog_needs_a_positive_timeout():
+    from tunix_mcjax.topology import Watchdog
+
+    with pytest.raises(ValueError, match="watchdog timeout must be > 0"):
+        Watchdog(0, 0.0)

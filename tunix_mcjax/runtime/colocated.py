@@ -297,6 +297,7 @@ class ColocatedRuntime:
                         self._flush_metrics()  # O1: the step's record before the process ends
                     self.state.save(step, self._train_state)
                 if preempted:
+                    self.state.close()
                     raise Preempted(f"host {self.topo.host}: preemption notice (SIGTERM) at step "
                                     f"{step}; {self.state.describe_last()}. Rerun the same "
                                     "command to resume.")
