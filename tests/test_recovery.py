@@ -89,3 +89,20 @@ def test_sigterm_to_one_host_saves_everywhere_and_exits_143(tmp_path, unbroken):
     assert rerun.returncode == 0, rerun.stdout[-3000:] + rerun.stderr[-3000:]
     assert f"step {stopped_at}" in rerun.stdout and "resumed from" in rerun.stdout
     assert _algorithmic(run) == unbroken
+
+
+def test_jsonl_sink_drops_replayed_steps(tmp_path):
+    """A resume at step 2 drops the records of steps 2+ that an interrupted run left."""
+    from tunix_mcjax.metrics import JsonlSink
+    from tunix_mcjax.metrics import read_jsonl as read
+
+    path = tmp_path / "steps.jsonl"
+    first = JsonlSink(path)
+    for step in range(4):
+        first({"step": step, "run": 1})
+    first.close()
+    sink = JsonlSink(path, first_step=2)
+    assert sink.kept == [{"step": 0, "run": 1}, {"step": 1, "run": 1}]
+    sink({"step": 2, "run": 2})
+    sink.close()
+    assert read(path) == [{"step": 0, "run": 1}, {"step": 1, "run": 1}, {"step": 2, "run": 2}]

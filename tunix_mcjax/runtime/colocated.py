@@ -196,8 +196,10 @@ class ColocatedRuntime:
             self._emit_global(prev_hosts)
         compiles = k not in self._seen_k  # step 0, or a K the update has not compiled for
         self._seen_k.add(k)
+        train_programs = self.trainer.compile_count
         with timer.phase("train"), self.watchdog.guard("train", compiles=compiles):
             train_metrics = self.trainer.step(local)
+        train_compiled = int(self.trainer.compile_count > train_programs)
         # A step the trainer did not apply (non-finite) changed nothing: nothing to publish.
         if self.nonfinite.applied(step, train_metrics, self.state.describe_last()):
             with timer.phase("publish"), self.watchdog.guard("publish", compiles=compiles):
@@ -208,7 +210,7 @@ class ColocatedRuntime:
         self._record_lengths(local_idx, lens_by_prompt)
         record = self._host_record(step, local_idx, global_idx, timer, reward, correct,
                                    completions, lens, lens_by_prompt, train_metrics)
-        record["rows_per_device"] = k
+        record.update(rows_per_device=k, train_compiled=train_compiled)
         self.exporter.export({"kind": "host", **record})
         self._pending = (step, record)
         if not cfg.rl_async_metrics_export:
