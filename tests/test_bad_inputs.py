@@ -8,6 +8,7 @@ device with the TINY model. Every test asserts the exit status, the time to exit
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -288,3 +289,26 @@ def test_a_watchdog_needs_a_positive_timeout():
 
     with pytest.raises(ValueError, match="watchdog timeout must be > 0"):
         Watchdog(0, 0.0)
+
+
+ENGINE_REPLICAS = """
+import jax
+from tunix_mcjax import models
+from tunix_mcjax.config import load_config
+from tunix_mcjax.runtime.phases import default_engine
+for dp, tp in ((-1, 1), (1, 1), (3, 1), (1, 2), (-1, 2)):
+    cfg = load_config("recipes/cpu/demo.yml", [f"rollout_data_parallelism={dp}",
+                                               f"rollout_tensor_parallelism={tp}"])
+    engine = default_engine(cfg, models.model_config(cfg, 99, for_sampling=True),
+                            jax.devices(), 0, 2)
+    print(dp, tp, engine.num_replicas, flush=True)
+"""
+
+
+def test_rollout_data_parallelism_reaches_the_engine():
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+           "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", ENGINE_REPLICAS], cwd=REPO, capture_output=True,
+                          text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:5] == ["-1 1 4", "1 1 1", "3 1 3", "1 2 1", "-1 2 2"]
