@@ -299,10 +299,11 @@ class ColocatedRuntime:
                         self._flush_metrics()  # O1: the step's record before the process ends
                     self.state.save(step, self._train_state)
                 if preempted:
+                    message = (f"host {self.topo.host}: preemption notice (SIGTERM) at step "
+                               f"{step}; {self.state.describe_last()}. Rerun the same command "
+                               "to resume.")
                     self.state.close()
-                    raise Preempted(f"host {self.topo.host}: preemption notice (SIGTERM) at step "
-                                    f"{step}; {self.state.describe_last()}. Rerun the same "
-                                    "command to resume.")
+                    raise Preempted(message)
                 if step == self.start_step and self.cfg.rl_gc_freeze_after_warmup:
                     freeze_gc()
             if self._pending is not None:
