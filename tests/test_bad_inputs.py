@@ -312,3 +312,18 @@ def test_rollout_data_parallelism_reaches_the_engine():
                           text=True, timeout=120, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split("\n")[:5] == ["-1 1 4", "1 1 1", "3 1 3", "1 2 1", "-1 2 2"]
+
+
+def test_fingerprint_allows_runtime_keys_and_names_algorithm_ones():
+    from tunix_mcjax.config import algorithm_fingerprint, fingerprint_mismatch
+
+    cfg = load_config(REPO / DEMO)
+    saved = algorithm_fingerprint(cfg)
+    runtime_only = cfg.replace(steps=500, rl_balance_prompts_by_length=True,
+                               rl_async_metrics_export=True, collective_timeout_s=60.0)
+    assert fingerprint_mismatch(saved, runtime_only) == []
+    assert fingerprint_mismatch(saved, cfg.replace(seed=1, grpo_epsilon=0.3)) == \
+        ["grpo_epsilon: 0.2 -> 0.3", "seed: 0 -> 1"]
+    warm = cfg.replace(warmup_steps_fraction=0.1)  # 15 warm-up steps of 150
+    assert fingerprint_mismatch(algorithm_fingerprint(warm), warm.replace(steps=300)) == \
+        ["warmup_steps: 15 -> 30"]

@@ -165,7 +165,8 @@ _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
 RUNTIME_ONLY_KEYS = frozenset({
     "run_name", "base_output_directory", "steps", "log_period", "enable_checkpointing",
     "checkpoint_period", "max_num_checkpoints_to_keep", "rl_async_metrics_export",
-    "rl_gc_freeze_after_warmup", "rl_publish_weights_single_call", "rl_metrics_queue_size",
+    "rl_gc_freeze_after_warmup", "rl_balance_prompts_by_length", "rl_balance_by_expected_output",
+    "rl_publish_weights_single_call", "rl_metrics_queue_size",
     "collective_timeout_s", "compile_timeout_s", "max_nonfinite_steps",
     "rollout_continuous_batching", "rollout_max_batch_size", "rollout_data_parallelism",
     "fsdp_gather_params_once",
@@ -173,9 +174,12 @@ RUNTIME_ONLY_KEYS = frozenset({
 
 
 def algorithm_fingerprint(cfg: Config) -> dict[str, Any]:
-    """The keys a checkpoint's state depends on, with their values (JSON-safe)."""
-    return {k: (list(v) if isinstance(v, tuple) else v)
+    """The keys a checkpoint's state depends on, with their values (JSON-safe). `steps` may
+    change on resume, but not the warm-up length it implies."""
+    keys = {k: (list(v) if isinstance(v, tuple) else v)
             for k, v in dataclasses.asdict(cfg).items() if k not in RUNTIME_ONLY_KEYS}
+    keys["warmup_steps"] = int(cfg.warmup_steps_fraction * cfg.steps)
+    return keys
 
 
 def fingerprint_mismatch(saved: dict[str, Any], cfg: Config) -> list[str]:
