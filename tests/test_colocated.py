@@ -19,11 +19,10 @@ from tunix.rl import algo_core, common
 from tests.mp import REPO, TINY, launch_worker, read_jsonl
 from tunix_mcjax import models
 from tunix_mcjax.config import load_config
-from tunix_mcjax.trainer import make_optimizer
 
 
-def tunix_reference_update(cfg, npz) -> tuple[float, dict[str, np.ndarray]]:
-    """One step of Tunix's grpo_loss_fn + make_optimizer(cfg), one process, padded batch."""
+def tunix_reference_grads(cfg, npz, case: str) -> tuple[float, dict[str, np.ndarray]]:
+    """Tunix's grpo_loss_fn and its gradient, one process, on the padded (unpacked) batch."""
     from tests.workers.fixed_update import VOCAB, fixed_batch
 
     g = cfg.num_generations
@@ -33,7 +32,7 @@ def tunix_reference_update(cfg, npz) -> tuple[float, dict[str, np.ndarray]]:
     params = nnx.state(model, nnx.Param)
     flat = {"/".join(map(str, k)): v for k, v in nnx.to_flat_state(params)}
     for key in flat:
-        flat[key].set_value(jax.numpy.asarray(npz[f"initial/{key}"]))
+        flat[key].set_value(jax.numpy.asarray(npz[f"{case}/initial/{key}"]))
     nnx.update(model, params)
 
     pl = max(len(p) for p in prompts)
@@ -44,11 +43,13 @@ def tunix_reference_update(cfg, npz) -> tuple[float, dict[str, np.ndarray]]:
         p = prompts[j // g]
         prompt_ids[j, pl - len(p):] = p
         completion_ids[j, :len(c)] = c
+    temperature = cfg.decode_sampling_temperature
     ref = None
     if cfg.grpo_beta:
         graphdef, state = nnx.split(model)
         ref = common.compute_per_token_logps(graphdef, state, jax.numpy.asarray(prompt_ids),
-                                             jax.numpy.asarray(completion_ids), 0, 2)
+                                             jax.numpy.asarray(completion_ids), 0, 2,
+                                             temperature=temperature)
     example = common.TrainExample(
         prompt_ids=jax.numpy.asarray(prompt_ids), prompt_mask=jax.numpy.asarray(prompt_ids != 0),
         completion_ids=jax.numpy.asarray(completion_ids),
@@ -57,45 +58,59 @@ def tunix_reference_update(cfg, npz) -> tuple[float, dict[str, np.ndarray]]:
     algo = types.SimpleNamespace(beta=cfg.grpo_beta, epsilon=cfg.grpo_epsilon,
                                  loss_algo=cfg.loss_algo,
                                  loss_agg_mode=cfg.loss_agg_mode, kl_loss_mode="kl",
-                                 kl_clamp_value=None, temperature=1.0)
+                                 kl_clamp_value=None, temperature=temperature)
 
     def loss_fn(m):
         return algo_core.grpo_loss_fn(m, example, algo, pad_id=0, eos_id=2)
 
     (loss, _), grads = nnx.value_and_grad(loss_fn, has_aux=True)(model)
-    tx = make_optimizer(cfg)
-    params = nnx.state(model, nnx.Param)
-    updates, _ = tx.update(grads, tx.init(params), params)
-    import optax
-
-    new = optax.apply_updates(params, updates)
     return float(loss), {"/".join(map(str, k)): np.asarray(v.get_value())
-                         for k, v in nnx.to_flat_state(new)}
+                         for k, v in nnx.to_flat_state(nnx.state(grads, nnx.Param))}
 
 
-@pytest.mark.parametrize("beta,loss_algo", [(0.0, "grpo"), (0.1, "grpo"), (0.0, "gspo-token")])
-def test_update_equals_tunix(tmp_path, beta, loss_algo):
-    # adam_eps well above fp32 summation noise: Adam's first step is lr * g / (|g| + eps), so
-    # with a tiny eps a near-zero gradient entry amplifies reduction-order noise (4 devices vs
-    # 1) into the update. The optimizer is otherwise the run's own.
-    overrides = [*TINY, "batch_size=4", "num_generations=4", "max_prefill_predict_length=4",
-                 "max_target_length=10", "learning_rate=0.01", f"grpo_beta={beta}",
-                 "adam_eps=1e-4", f"loss_algo={loss_algo}",
-                 f"base_output_directory={tmp_path}", "run_name=upd"]
-    proc = launch_worker("tests.workers.fixed_update", "recipes/cpu/demo.yml", overrides)
+UPDATE = [*TINY, "batch_size=4", "num_generations=4", "max_prefill_predict_length=4",
+          "max_target_length=10"]
+
+
+@pytest.fixture(scope="module")
+def mcjax_updates(tmp_path_factory):
+    """One launch (2 hosts x 2 devices) runs every case of tests/workers/fixed_update.py."""
+    out = tmp_path_factory.mktemp("update")
+    proc = launch_worker("tests.workers.fixed_update", "recipes/cpu/demo.yml",
+                         [*UPDATE, f"base_output_directory={out}", "run_name=upd"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    npz = np.load(tmp_path / "upd" / "update.npz")
-    cfg = load_config(REPO / "recipes/cpu/demo.yml", overrides)
-    ref_loss, ref_params = tunix_reference_update(cfg, npz)
-    assert float(npz["loss"]) == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
-    moved = 0
-    for key, want in ref_params.items():
-        got = npz[f"final/{key}"]
+    return np.load(out / "upd" / "update.npz")
+
+
+def _case_names():
+    from tests.workers.fixed_update import CASES
+
+    return list(CASES)
+
+
+@pytest.mark.parametrize("case", _case_names())
+def test_gradient_equals_tunix(mcjax_updates, case):
+    """The gradient the mcjax trainer applied (packed rows over 4 devices of 2 hosts) equals
+    the gradient of Tunix's grpo_loss_fn on the padded batch, leaf by leaf, to 1e-5."""
+    from tests.workers.fixed_update import CASES
+
+    npz = mcjax_updates
+    cfg = load_config(REPO / "recipes/cpu/demo.yml", UPDATE).replace(**CASES[case])
+    ref_loss, ref_grads = tunix_reference_grads(cfg, npz, case)
+    assert float(npz[f"{case}/loss"]) == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
+    for key, want in ref_grads.items():
+        got = npz[f"{case}/grad/{key}"]
+        assert np.abs(want).max() > 0, key  # every leaf has a gradient: the check has teeth
         # 1e-5 relative to each element, or to the leaf's scale for entries near zero.
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
                                    err_msg=key)
-        moved += int(not np.array_equal(got, npz[f"initial/{key}"]))
-    assert moved == len(ref_params)  # every leaf was updated, so the comparison has teeth
+
+
+def test_allgather_keeps_8_byte_values_exact(mcjax_updates):
+    """JAX with x64 off would round these through float32/int32."""
+    assert mcjax_updates["allgather_int64"].dtype == np.int64
+    assert mcjax_updates["allgather_int64"].ravel().tolist() == [2**40 + 1, 2**40 + 2]
+    assert mcjax_updates["allgather_float64"].ravel().tolist() == [16777217.0, 16777218.0]
 
 
 def test_uneven_hosts_publish_and_assignment(tmp_path):

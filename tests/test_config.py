@@ -59,12 +59,13 @@ def test_launcher_rejects_bad_configs_before_starting_hosts():
     assert unknown.returncode == 2 and "num_generations" in unknown.stderr
 
 
-def test_over_long_prompt_is_rejected():
-    from tunix_mcjax.runtime.colocated import tokenize_prompts
+def test_over_long_prompt_is_rejected_without_filtering():
+    from tunix_mcjax.runtime.phases import tokenize_prompts
     from tunix_mcjax.tokenizer import char_tokenizer
 
     tok = char_tokenizer()
-    assert [len(t) for t in tokenize_prompts(tok, ["1=", "12="], 4)] == [3, 4]
+    tokens, kept = tokenize_prompts(tok, ["1=", "12="], 4)
+    assert [len(t) for t in tokens] == [3, 4] and kept.tolist() == [0, 1]
     with pytest.raises(ConfigError, match=r"prompt 1 has 5 tokens, over max_prefill_predict"):
         tokenize_prompts(tok, ["1=", "123="], 4)
 

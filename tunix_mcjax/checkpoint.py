@@ -1,13 +1,16 @@
 """Orbax checkpoints of the run state (params, optimizer state, O3's output-length history),
-saved by all hosts together.
+saved by all hosts together, each with the config fingerprint it was trained under.
 
-A save is atomic (Orbax writes to a temporary directory and renames on success), so a crash
-mid-save leaves the previous checkpoint intact. A run that finds a checkpoint in its directory
-resumes after its step; data order is a function of the step, so it continues the same stream.
+A save is atomic (Orbax writes to a temporary directory and renames on success), so a host
+killed mid-save leaves the previous checkpoint intact, and the next run resumes from that one.
+A newest checkpoint that cannot be read (truncated, corrupt) is reported and the one before it
+is used. A run that finds a checkpoint in its directory resumes after its step; data order is a
+function of the step, so it continues the same stream.
 """
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,18 +18,22 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from tunix_mcjax.config import Config, ConfigError, algorithm_fingerprint, fingerprint_mismatch
+
 
 class Checkpointer:
     def __init__(self, directory: Path, max_to_keep: int):
+        self.directory = directory.absolute()
         self.manager = ocp.CheckpointManager(
-            directory.absolute(), item_handlers=ocp.StandardCheckpointHandler(),
+            self.directory, item_handlers=ocp.StandardCheckpointHandler(),
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))
 
     def latest_step(self) -> int | None:
         return self.manager.latest_step()
 
-    def save(self, step: int, state: dict[str, Any]) -> None:
-        self.manager.save(step, args=ocp.args.StandardSave(state))
+    def save(self, step: int, state: dict[str, Any], cfg: Config | None = None) -> None:
+        meta = {"config": algorithm_fingerprint(cfg)} if cfg is not None else None
+        self.manager.save(step, args=ocp.args.StandardSave(state), custom_metadata=meta)
         self.manager.wait_until_finished()
 
     def restore(self, step: int, like: dict[str, Any]) -> dict[str, Any]:
@@ -42,6 +49,40 @@ class Checkpointer:
         restored = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
         # Orbax returns plain tuples for optax's named tuples: rebuild the original structure.
         return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(restored))
+
+    def check_fingerprint(self, step: int, cfg: Config) -> None:
+        """Refuses to resume under changed algorithm keys (older checkpoints carry none)."""
+        custom = self.manager.metadata(step).custom_metadata or {}
+        if "config" not in custom:
+            return
+        changed = fingerprint_mismatch(custom["config"], cfg)
+        if changed:
+            raise ConfigError(
+                f"checkpoint step {step} in {self.directory} was trained under a different "
+                f"config: {'; '.join(changed)}. Resume with the checkpoint's values, or start a "
+                "new run (another run_name or base_output_directory).")
+
+    def restore_latest(self, like: dict[str, Any], cfg: Config
+                       ) -> tuple[int, dict[str, Any]] | None:
+        """(step, state) of the newest readable checkpoint, falling back past unreadable ones
+        with a message; None when there is none. A fingerprint mismatch, or checkpoints none
+        of which can be read, is an error."""
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        for i, step in enumerate(steps):
+            try:
+                self.check_fingerprint(step, cfg)
+                return step, self.restore(step, like)
+            except ConfigError:
+                raise
+            except Exception as e:
+                problem = (f"checkpoint step {step} in {self.directory} is unreadable "
+                           f"({type(e).__name__}: {str(e)[:300]})")
+                if i + 1 == len(steps):
+                    raise ConfigError(f"{problem}, and no older checkpoint is left. Move the "
+                                      "directory away to start the run from step 0.") from e
+                print(f"{problem}; falling back to step {steps[i + 1]}", file=sys.stderr,
+                      flush=True)
+        return None
 
     def close(self) -> None:
         self.manager.close()

@@ -119,6 +119,17 @@ class Config:
     rl_metrics_queue_size: int = 1024
     collective_timeout_s: float = 300.0
 
+    # Errors and recovery (README "Errors and recovery").
+    # Budget of a cross-host phase that compiles (step 0, the first step at a new rows-per-device
+    # K, start-up): compilation of a large model can outlast collective_timeout_s while healthy.
+    compile_timeout_s: float = 1800.0
+    # Steps whose loss or gradient norm is non-finite are never applied (params and optimizer
+    # state stay as they were). 0: the first one stops the run; N: skip up to N, then stop.
+    max_nonfinite_steps: int = 0
+    # Prompts longer than max_prefill_predict_length are dropped (counted, as MaxText does);
+    # false: one such prompt is an error.
+    filter_long_prompts: bool = True
+
     # Derived sizes.
     @property
     def max_completion_length(self) -> int:
@@ -161,6 +172,34 @@ class Config:
 
 
 _FIELDS = {f.name: f for f in dataclasses.fields(Config)}
+
+# Keys that change how a run executes or reports, not what it computes: a resume may change
+# them. Every other key is part of a checkpoint's fingerprint (`algorithm_fingerprint`).
+RUNTIME_ONLY_KEYS = frozenset({
+    "run_name", "base_output_directory", "steps", "log_period", "enable_checkpointing",
+    "checkpoint_period", "max_num_checkpoints_to_keep", "rl_async_metrics_export",
+    "rl_gc_freeze_after_warmup", "rl_balance_prompts_by_length", "rl_balance_by_expected_output",
+    "rl_publish_weights_single_call", "rl_metrics_queue_size",
+    "collective_timeout_s", "compile_timeout_s", "max_nonfinite_steps",
+    "rollout_continuous_batching", "rollout_max_batch_size", "rollout_data_parallelism",
+    "fsdp_gather_params_once",
+})
+
+
+def algorithm_fingerprint(cfg: Config) -> dict[str, Any]:
+    """The keys a checkpoint's state depends on, with their values (JSON-safe). `steps` may
+    change on resume, but not the warm-up length it implies."""
+    keys = {k: (list(v) if isinstance(v, tuple) else v)
+            for k, v in dataclasses.asdict(cfg).items() if k not in RUNTIME_ONLY_KEYS}
+    keys["warmup_steps"] = int(cfg.warmup_steps_fraction * cfg.steps)
+    return keys
+
+
+def fingerprint_mismatch(saved: dict[str, Any], cfg: Config) -> list[str]:
+    """'key: saved -> now' for each fingerprinted key whose value differs from `saved`."""
+    now = algorithm_fingerprint(cfg)
+    return [f"{k}: {saved.get(k, '<unset>')!r} -> {now.get(k, '<unset>')!r}"
+            for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
 _CHOICES = {
     "tokenizer_type": ("char", "huggingface"),
     "decode_sampling_strategy": ("weighted", "greedy"),
@@ -264,10 +303,38 @@ def _validate(cfg: Config) -> None:
             raise ConfigError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(choices)}")
     positive = ("steps", "batch_size", "num_generations", "max_prefill_predict_length",
                 "rollout_tensor_parallelism", "rl_metrics_queue_size", "checkpoint_period",
-                "max_num_checkpoints_to_keep", "rollout_max_batch_size")
+                "max_num_checkpoints_to_keep", "rollout_max_batch_size", "log_period",
+                "learning_rate", "collective_timeout_s", "compile_timeout_s", "adam_eps",
+                "base_num_decoder_layers", "base_emb_dim", "base_mlp_dim",
+                "base_num_query_heads", "base_num_kv_heads", "head_dim")
     for key in positive:
-        if getattr(cfg, key) <= 0:
-            raise ConfigError(f"{key} must be > 0, got {getattr(cfg, key)}")
+        value = getattr(cfg, key)
+        if not value > 0 or value == float("inf"):  # also refuses nan and inf
+            raise ConfigError(f"{key} must be a finite number > 0, got {value}. "
+                              f"Example: {key}={_FIELDS[key].default!r}")
+    non_negative = ("grpo_beta", "gradient_clipping_threshold", "adam_weight_decay",
+                    "max_nonfinite_steps", "data_repeat_period", "decode_sampling_top_k",
+                    "vocab_size")
+    for key in non_negative:
+        value = getattr(cfg, key)
+        if not value >= 0 or value == float("inf"):
+            raise ConfigError(f"{key} must be a finite number >= 0, got {value}")
+    if not 0 < cfg.grpo_epsilon < 1:
+        raise ConfigError(f"grpo_epsilon must be in (0, 1) (the ratio is clipped to "
+                          f"[1 - eps, 1 + eps]), got {cfg.grpo_epsilon}. Tunix's default: 0.2")
+    if not 0 <= cfg.warmup_steps_fraction < 1:
+        raise ConfigError(f"warmup_steps_fraction must be in [0, 1) (a fraction of steps), got "
+                          f"{cfg.warmup_steps_fraction}")
+    for key in ("adam_b1", "adam_b2"):
+        if not 0 <= getattr(cfg, key) < 1:
+            raise ConfigError(f"{key} must be in [0, 1), got {getattr(cfg, key)}")
+    dp = cfg.rollout_data_parallelism
+    if dp != -1 and dp < 1:
+        raise ConfigError(f"rollout_data_parallelism must be >= 1 replicas, or -1 for local "
+                          f"devices / rollout_tensor_parallelism; got {dp}")
+    if cfg.rl_balance_by_expected_output and not cfg.rl_balance_prompts_by_length:
+        raise ConfigError("rl_balance_by_expected_output=true refines O3's length balance, which "
+                          "is off: also set rl_balance_prompts_by_length=true (or drop it)")
     if cfg.max_completion_length <= 0:
         raise ConfigError(
             f"completion budget max_target_length - max_prefill_predict_length = "

@@ -4,7 +4,8 @@ Each process is a real JAX controller: `jax.distributed.initialize` against a co
 127.0.0.1 (a free port), gloo CPU collectives, and D forced host-platform devices. Output is
 streamed with a `[host i]` prefix. If any process fails, the others are stopped and the launcher
 exits non-zero, naming the host and its exit code. Ctrl-C or SIGTERM to the launcher stops every
-host too (SIGTERM, then SIGKILL after GRACE_S: JAX treats SIGTERM as a preemption notice).
+host too (SIGTERM, then SIGKILL after GRACE_S: JAX treats SIGTERM as a preemption notice, so
+hosts that reach a step boundary within GRACE_S save a checkpoint and exit 143).
 """
 
 from __future__ import annotations

@@ -74,19 +74,37 @@ def progress_line(rec: dict) -> str:
             f"{rec['accuracy']:.3f} | {rec['step_s']:.2f}s | {phases}")
 
 
-class JsonlSink:
-    """Appends records as JSON lines to one file."""
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
-    def __init__(self, path: Path):
+
+class JsonlSink:
+    """Appends records as JSON lines to one file; safe to call from several threads (O1's
+    drain thread and the step thread, when the queue is full).
+
+    `first_step`: the run starts (or resumes) at this step, so records of this step and later
+    left by an earlier, interrupted run are dropped first: every step appears once.
+    """
+
+    def __init__(self, path: Path, first_step: int = 0):
         path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_jsonl(path) if r["step"] < first_step]
+        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+        self.kept = kept
+        self._lock = threading.Lock()
         self._file = path.open("a")
 
     def __call__(self, record: dict) -> None:
-        self._file.write(json.dumps(record) + "\n")
-        self._file.flush()
+        line = json.dumps(record) + "\n"
+        with self._lock:
+            self._file.write(line)
+            self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        with self._lock:
+            self._file.close()
 
 
 class Exporter:

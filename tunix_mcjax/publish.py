@@ -3,7 +3,9 @@
 A global array resharded to fully replicated already holds a full copy on every local device;
 the engine reads each device's copy through `addressable_shards`, so nothing is copied twice.
 With O4 (`rl_publish_weights_single_call`) the whole tree moves in one gather and one engine
-load; without it, one gather and one load per leaf, as the paper's base does.
+load; without it, one gather and one load per leaf, as the paper's base does. `publish` returns
+only when every gather has completed, so the cross-host wait happens inside the publish phase
+(under its watchdog guard, and counted in `publish_s`), not in the next rollout.
 """
 
 from __future__ import annotations
@@ -44,4 +46,4 @@ class Publisher:
 
     def _gather(self, tree: Any) -> Any:
         self.gather_calls += 1
-        return self._replicate(tree)
+        return jax.block_until_ready(self._replicate(tree))

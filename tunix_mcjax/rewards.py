@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import math
 from collections.abc import Sequence
 
 import numpy as np
@@ -27,16 +28,42 @@ def resolve_reward_fns(names: Sequence[str], task: Task) -> tuple[RewardFn, ...]
     return tuple(fns)
 
 
+class RewardError(RuntimeError):
+    """A reward function raised, or returned something that is not one finite number per
+    completion; the message names the function, and the prompt and value where it applies."""
+
+
+def fn_name(fn: RewardFn) -> str:
+    return f"{getattr(fn, '__module__', '?')}:{getattr(fn, '__qualname__', repr(fn))}"
+
+
 def score(reward_fns: Sequence[RewardFn], prompts: list[str], completions: list[str],
-          fields: dict[str, list]) -> np.ndarray:
-    """Sum of all reward functions per completion, as Tunix's reward manager sums them."""
+          fields: dict[str, list], prompt_indices: Sequence[int] | None = None) -> np.ndarray:
+    """Sum of all reward functions per completion, as Tunix's reward manager sums them.
+
+    Every value must be a finite number: None, NaN, inf, a non-number or the wrong count is a
+    `RewardError` naming the function and (via `prompt_indices`, the dataset index of each
+    completion's prompt) the prompt, rather than a NaN advantage that poisons the weights.
+    """
     total = np.zeros(len(completions), dtype=np.float32)
     for fn in reward_fns:
-        values = fn(prompts=prompts, completions=completions, **fields)
+        try:
+            values = list(fn(prompts=prompts, completions=completions, **fields))
+        except Exception as e:
+            raise RewardError(f"reward function {fn_name(fn)} raised "
+                              f"{type(e).__name__}: {e}") from e
         if len(values) != len(completions):
-            raise ValueError(f"reward fn {fn.__name__} returned {len(values)} values for "
-                             f"{len(completions)} completions")
-        total += np.asarray([0.0 if v is None else v for v in values], dtype=np.float32)
+            raise RewardError(f"reward function {fn_name(fn)} returned {len(values)} values "
+                              f"for {len(completions)} completions: return one per completion")
+        for j, v in enumerate(values):
+            ok = isinstance(v, (int, float, np.number, np.bool_)) and math.isfinite(float(v))
+            if not ok:
+                where = prompt_indices[j] if prompt_indices is not None else "?"
+                raise RewardError(
+                    f"reward function {fn_name(fn)} returned {v!r} for completion {j} "
+                    f"(prompt index {where}, prompt {prompts[j]!r}): every reward must be a "
+                    "finite number")
+        total += np.asarray(values, dtype=np.float32)
     return total
 
 

@@ -1,7 +1,9 @@
 """The one place that knows about processes: discovery, meshes, small cross-host exchanges.
 
 Every cross-host wait runs under a `Watchdog` deadline, so a dead or stuck peer ends this
-process with a message naming the phase instead of hanging forever.
+process with a message naming the phase instead of hanging forever. A host that fails posts its
+error to the coordination service (`abort`); every other host's watchdog reads it within a second
+and exits too, so one host's exception never leaves the others waiting.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
 WATCHDOG_EXIT_CODE = 3
+ABORT_EXIT_CODE = 1
+PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as a process killed by the notice would report
+_ABORT_KEY = "tunix_mcjax/abort"
+_ABORT_LINGER_S = 2.0  # a failing host keeps the coordination service up this long for peers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,26 +78,106 @@ def trainer_mesh(topo: Topology) -> Mesh:
 
 
 def allgather(values: np.ndarray) -> np.ndarray:
-    """[num_hosts, *values.shape]: every host's `values`, in host order."""
+    """[num_hosts, *values.shape]: every host's `values`, in host order, bit-exact.
+
+    With x64 off JAX would narrow 8-byte numbers to 4 (a float64 count above 2**24 would lose
+    exactness), so 8-byte dtypes travel as pairs of int32 words and are reassembled here.
+    """
+    values = np.ascontiguousarray(values)
     if jax.process_count() == 1:
         return values[None]
-    return np.asarray(multihost_utils.process_allgather(values))
+    if values.dtype.itemsize != 8:
+        return np.asarray(multihost_utils.process_allgather(values))
+    words = values.reshape(-1).view(np.int32)
+    gathered = np.asarray(multihost_utils.process_allgather(words)).astype(np.int32)
+    return gathered.view(values.dtype).reshape(-1, *values.shape)
+
+
+def _client():
+    from jax._src import distributed
+
+    return distributed.global_state.client
+
+
+def abort(message: str, exit_code: int = ABORT_EXIT_CODE) -> None:
+    """Ends this process now with `message`, and tells every other host to end too.
+
+    When another host failed first (this failure is then usually its consequence: a collective
+    cut short), its message is repeated instead. Skips the interpreter's exit path on purpose:
+    JAX's atexit shutdown waits (minutes) at a barrier for every host, which the others, blocked
+    in a collective, never reach.
+    """
+    first = peer_abort()
+    if first is not None:
+        print(f"{message}\n(stopping because another host failed first: {first})",
+              file=sys.stderr, flush=True)
+        os._exit(exit_code)
+    print(message, file=sys.stderr, flush=True)
+    client = _client()
+    if client is not None:
+        try:
+            client.key_value_set(_ABORT_KEY, message)
+            time.sleep(_ABORT_LINGER_S)  # this host may run the coordination service
+        except Exception as e:  # the service is already gone: peers learn from JAX itself
+            print(f"(could not notify the other hosts: {e})", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(exit_code)
+
+
+def peer_abort() -> str | None:
+    """Another host's `abort` message, if one was posted."""
+    client = _client()
+    if client is None:
+        return None
+    try:
+        return client.key_value_try_get(_ABORT_KEY)
+    except Exception as e:
+        if "NOT_FOUND" in str(e):
+            return None
+        return f"lost contact with the coordination service: {e}"
+
+
+def preemption_noticed(step: int) -> bool:
+    """True on every host at the same step once any host got SIGTERM (JAX's preemption notice,
+    agreed through JAX's preemption sync). Call it on every host at every step."""
+    if _client() is None:
+        return _local_sigterm.is_set()
+    return multihost_utils.reached_preemption_sync_point(step)
+
+
+_local_sigterm = threading.Event()
+
+
+def install_single_process_sigterm() -> None:
+    """Without jax.distributed there is no preemption service: a SIGTERM handler stands in."""
+    import signal
+
+    if _client() is None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, lambda *_: _local_sigterm.set())
 
 
 class Watchdog:
-    """Ends the process if a guarded cross-host phase outlives its deadline."""
+    """Ends the process if a guarded cross-host phase outlives its deadline, or as soon as
+    another host has posted an `abort` while this one waits in a guarded phase."""
 
-    def __init__(self, host: int, timeout_s: float):
+    def __init__(self, host: int, timeout_s: float, compile_timeout_s: float | None = None):
+        if timeout_s <= 0:
+            raise ValueError(f"watchdog timeout must be > 0, got {timeout_s}")
         self.host, self.timeout_s = host, timeout_s
+        self.compile_timeout_s = compile_timeout_s or timeout_s
         self._deadline: float | None = None
-        self._phase = ""
+        self._phase, self._budget, self._key = "", timeout_s, "collective_timeout_s"
         self._lock = threading.Lock()
         threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
 
     @contextmanager
-    def guard(self, phase: str):
+    def guard(self, phase: str, compiles: bool = False):
+        """`compiles`: the phase may compile (step 0, a new K), so it gets compile_timeout_s."""
+        budget = self.compile_timeout_s if compiles else self.timeout_s
+        key = "compile_timeout_s" if compiles else "collective_timeout_s"
         with self._lock:
-            self._phase, self._deadline = phase, time.monotonic() + self.timeout_s
+            self._phase, self._budget, self._key = phase, budget, key
+            self._deadline = time.monotonic() + budget
         try:
             yield
         finally:
@@ -102,11 +188,17 @@ class Watchdog:
         while True:
             time.sleep(min(1.0, self.timeout_s / 4))
             with self._lock:
-                late = self._deadline is not None and time.monotonic() > self._deadline
-                phase = self._phase
+                waiting = self._deadline is not None
+                late = waiting and time.monotonic() > self._deadline
+                phase, budget, key = self._phase, self._budget, self._key
+            peer = peer_abort() if waiting else None
+            if peer is not None:
+                print(f"host {self.host}: stopping in phase {phase!r} because another host "
+                      f"failed: {peer}", file=sys.stderr, flush=True)
+                time.sleep(2 * _ABORT_LINGER_S)  # let the failing host exit first, cleanly
+                os._exit(ABORT_EXIT_CODE)
             if late:
-                print(f"host {self.host}: phase {phase!r} waited more than {self.timeout_s:.0f}s "
+                print(f"host {self.host}: phase {phase!r} waited more than {budget:.0f}s "
                       "on other hosts (one is dead or stuck); aborting. Raise "
-                      "collective_timeout_s if this phase is just slow.", file=sys.stderr,
-                      flush=True)
+                      f"{key} if this phase is just slow.", file=sys.stderr, flush=True)
                 os._exit(WATCHDOG_EXIT_CODE)

@@ -1,22 +1,47 @@
-"""One mcjax train step on a fixed batch, split over the hosts by whole groups.
+"""One mcjax train step per loss case on a fixed batch, split over the hosts by whole groups,
+packed by the runtime's own `phases.pack_local`, updated with plain SGD.
 
-Host 0 saves the initial params, the batch, and the params after the update, so a
-single-process reference (Tunix's grpo_loss_fn + the same optax optimizer) can be compared.
+With SGD at learning rate LR, (initial - final) / LR is the gradient the trainer applied, so
+the test compares gradients, not an optimizer's normalised step. Host 0 saves, per case, the
+initial params, the gradient and the loss; a single-process reference (Tunix's grpo_loss_fn)
+is compared with them. Also records an all-gather of 8-byte values that float32 would round.
 """
 
 from __future__ import annotations
 
 import jax
 import numpy as np
+import optax
 from flax import nnx
 from jax.experimental import multihost_utils
 
 from tests.workers.common import start
-from tunix_mcjax import models, packing, topology
+from tunix_mcjax import models, topology
+from tunix_mcjax.engine import Completion
 from tunix_mcjax.rewards import group_advantages
-from tunix_mcjax.trainer import Trainer, loss_weights, qwen3_policy
+from tunix_mcjax.runtime.phases import pack_local
+from tunix_mcjax.trainer import Trainer, qwen3_policy
 
 VOCAB = 40
+LR = 1e6  # large, so the applied step dwarfs the params and (initial - final) keeps precision
+
+# Pairwise cover of loss_agg_mode x grpo_beta x temperature, plus gspo-token (on-policy GRPO).
+CASES = {
+    "seq-b0-t1": dict(loss_agg_mode="sequence-mean-token-mean", grpo_beta=0.0,
+                      decode_sampling_temperature=1.0),
+    "tok-b0-t1": dict(loss_agg_mode="token-mean", grpo_beta=0.0,
+                      decode_sampling_temperature=1.0),
+    "seq-b01-t07": dict(loss_agg_mode="sequence-mean-token-mean", grpo_beta=0.1,
+                        decode_sampling_temperature=0.7),
+    "tok-b01-t07": dict(loss_agg_mode="token-mean", grpo_beta=0.1,
+                        decode_sampling_temperature=0.7),
+    "seq-b01-t1": dict(loss_agg_mode="sequence-mean-token-mean", grpo_beta=0.1,
+                       decode_sampling_temperature=1.0),
+    "tok-b0-t07": dict(loss_agg_mode="token-mean", grpo_beta=0.0,
+                       decode_sampling_temperature=0.7),
+    "gspo-seq-b01": dict(loss_algo="gspo-token", loss_agg_mode="sequence-mean-token-mean",
+                         grpo_beta=0.1, decode_sampling_temperature=1.0),
+}
 
 
 def fixed_batch(num_prompts: int, g: int, seed: int = 7):
@@ -39,38 +64,42 @@ def flat(tree) -> dict[str, np.ndarray]:
     }
 
 
-def main() -> None:
-    cfg, topo = start()
+def one_case(base_cfg, topo, name: str, out: dict) -> None:
+    cfg = base_cfg.replace(**CASES[name])
     g, p = cfg.num_generations, cfg.batch_size
     prompts, completions, rewards = fixed_batch(p, g)
     adv = group_advantages(rewards, g)
-
     mesh = topology.trainer_mesh(topo)
     model = models.create_model(models.model_config(cfg, VOCAB), cfg.init_weights_seed, mesh)
     policy, params = qwen3_policy(model)
     initial = flat(params)
-    trainer = Trainer(cfg, policy, params, mesh)
+    trainer = Trainer(cfg, policy, params, mesh, tx=optax.sgd(LR))
 
     per_host = p // topo.num_hosts
     mine = range(topo.host * per_host * g, (topo.host + 1) * per_host * g)
-    seqs = [packing.Sequence(prompts[j // g], completions[j], float(adv[j]),
-                             np.zeros(len(completions[j]), np.float32)) for j in mine]
-    rows = packing.pack(seqs, cfg.max_target_length, pad_id=0)
-    counts = topology.allgather(np.array([rows.num_rows, len(seqs),
-                                          sum(len(s.completion) for s in seqs)]))
-    k = packing.rows_per_device(counts[:, 0].tolist(), len(topo.local_devices))
-    rows = packing.pad_rows(rows, k * len(topo.local_devices), pad_id=0)
-    local = {f: getattr(rows, f) for f in ("tokens", "positions", "segment_ids", "targets",
-                                           "loss_mask", "advantages", "old_logps")}
-    local["weights"] = loss_weights(rows, cfg.loss_agg_mode, int(counts[:, 1].sum()),
-                                    int(counts[:, 2].sum())).astype(np.float32)
+    local_completions = [Completion(completions[j], np.zeros(len(completions[j]), np.float32),
+                                    "stop") for j in mine]
+    local, _, _ = pack_local(cfg, [prompts[j // g] for j in mine], local_completions,
+                             adv[list(mine)], 0, len(topo.local_devices), np.zeros(0))
     metrics = trainer.step(local)
     final = flat(trainer.params)
+    out[f"{name}/loss"] = metrics["loss"]
+    for key, value in initial.items():
+        out[f"{name}/initial/{key}"] = value
+        out[f"{name}/grad/{key}"] = (value.astype(np.float64) - final[key]) / LR
+
+
+def main() -> None:
+    cfg, topo = start()
+    out: dict[str, np.ndarray] = {}
+    for name in CASES:
+        one_case(cfg, topo, name, out)
+    exact = topology.allgather(np.array([2**40 + 1 + topo.host], np.int64))
+    near = topology.allgather(np.array([16777217.0 + topo.host], np.float64))
     if topo.is_leader:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
-        np.savez(cfg.run_dir / "update.npz", loss=metrics["loss"],
-                 **{f"initial/{k}": v for k, v in initial.items()},
-                 **{f"final/{k}": v for k, v in final.items()})
+        np.savez(cfg.run_dir / "update.npz", allgather_int64=exact, allgather_float64=near,
+                 **out)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,7 @@ class JaxEngine(Engine):
     `max_batch_size` caps the rows one replica decodes at once (rounded up to a power of two):
     with continuous batching a larger share streams through that many rows; without it the
     share runs in waves. `lockstep` decodes the whole batch at once and ignores it.
+    `data_parallelism` replicas use the first data_parallelism x tensor_parallelism devices.
     """
 
     def __init__(
@@ -133,9 +134,15 @@ class JaxEngine(Engine):
         continuous_batching: bool = True,
         lockstep: bool = False,
         max_batch_size: int = 64,
+        data_parallelism: int = -1,
     ):
         devices = list(devices)
         tp = tensor_parallelism
+        if data_parallelism != -1:  # -1: as many replicas as the devices hold
+            if not 1 <= data_parallelism * tp <= len(devices):
+                raise ValueError(f"data_parallelism={data_parallelism} x tensor_parallelism={tp} "
+                                 f"does not fit {len(devices)} devices")
+            devices = devices[:data_parallelism * tp]
         if not devices or tp < 1 or len(devices) % tp:
             raise ValueError(
                 f"{len(devices)} devices do not split into replicas of tensor_parallelism={tp}"

@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from tunix_mcjax import topology
-from tunix_mcjax.config import Config, ConfigError
+from tunix_mcjax.config import Config
 
 FACTS_FILE = "maxtext_adapter_host{host}.json"
 _WATCHED_MODULES = ("vllm", "tpu_inference")
@@ -26,12 +26,12 @@ _WATCHED_MODULES = ("vllm", "tpu_inference")
 
 def main(argv: Sequence[str], kwargs: dict | None = None) -> None:
     """MaxText's `rl_runtime=mcjax`: `argv` is train_rl's (program, [config.yml], key=value...)."""
+    from tunix_mcjax.run import guarded
+
     topo = topology.initialize_from_env()
-    try:
-        run(argv, kwargs or {}, topo)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    code = guarded(topo, lambda: run(argv, kwargs or {}, topo))
+    if code:
+        sys.exit(code)
 
 
 def load_maxtext_config(argv: Sequence[str], kwargs: dict) -> tuple[Any, Any]:
@@ -82,8 +82,9 @@ def run(argv: Sequence[str], kwargs: dict, topo: topology.Topology) -> dict | No
     cfg.validate_topology(topo.num_hosts, len(topo.local_devices))
     if topo.is_leader:
         _log_start(config, cfg, not_applied)
-    components = build_components(config, data.load_tokenizer(config))
-    summary = ColocatedRuntime(cfg, topo, components=components).run()
+    # Built by the runtime under its watchdog: the model build waits on every host.
+    summary = ColocatedRuntime(
+        cfg, topo, components=lambda: build_components(config, data.load_tokenizer(config))).run()
     write_facts(cfg, topo, not_applied)
     return summary
 

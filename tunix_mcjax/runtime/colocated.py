@@ -20,61 +20,19 @@ from typing import Any
 import jax
 import numpy as np
 
-from tunix_mcjax import admission, metrics, models, packing, rewards, topology
-from tunix_mcjax.checkpoint import Checkpointer
+from tunix_mcjax import admission, metrics, models, rewards, topology
 from tunix_mcjax.config import Config, ConfigError
-from tunix_mcjax.engine import Completion, Engine, SamplingParams
+from tunix_mcjax.engine import Completion, Engine
 from tunix_mcjax.publish import Publisher
+from tunix_mcjax.runtime import phases
+from tunix_mcjax.runtime.phases import default_engine
+from tunix_mcjax.runtime.recovery import NonFinitePolicy, Preempted, RunState
 from tunix_mcjax.tasks import Task, load_task
 from tunix_mcjax.tokenizer import load_tokenizer
-from tunix_mcjax.trainer import Policy, Trainer, loss_weights, qwen3_policy
+from tunix_mcjax.trainer import Policy, Trainer, qwen3_policy
 
 EngineFactory = Callable[..., Engine]
-
-
-def sampling_params(cfg: Config) -> SamplingParams:
-    """EOS is the engine's own stop (unless `ignore_eos`), so it is not repeated here."""
-    return SamplingParams(
-        max_new_tokens=cfg.max_completion_length,
-        temperature=cfg.decode_sampling_temperature,
-        top_k=cfg.decode_sampling_top_k,
-        top_p=cfg.decode_sampling_nucleus_p,
-        greedy=cfg.decode_sampling_strategy == "greedy",
-        ignore_eos=cfg.ignore_eos,
-    )
-
-
-def rollout_seed(seed: int, step: int, host: int) -> int:
-    """A distinct sampling seed per (run seed, step, host); the engine folds in the replica."""
-    return int(np.random.SeedSequence([seed, step, host]).generate_state(1)[0] >> 1)
-
-
-def tokenize_prompts(tokenizer, prompts: list[str], max_len: int) -> list[np.ndarray]:
-    """Token ids per prompt (BOS first when the tokenizer has one); rejects over-long prompts."""
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-    out = []
-    for i, text in enumerate(prompts):
-        ids = np.asarray(bos + tokenizer.encode(text, add_special_tokens=False), np.int32)
-        if len(ids) > max_len:
-            raise ConfigError(
-                f"prompt {i} has {len(ids)} tokens, over max_prefill_predict_length={max_len}. "
-                "Raise max_prefill_predict_length or drop long prompts from the dataset.")
-        out.append(ids)
-    return out
-
-
-def default_engine(cfg: Config, model_config, devices, pad_id: int, eos_id: int) -> Engine:
-    from tunix_mcjax.engine.jax_engine import JaxEngine
-
-    return JaxEngine(
-        model_config, devices, pad_id=pad_id, eos_id=eos_id,
-        max_prompt_length=cfg.max_prefill_predict_length,
-        max_new_tokens=cfg.max_completion_length,
-        tensor_parallelism=cfg.rollout_tensor_parallelism,
-        continuous_batching=cfg.rollout_continuous_batching,
-        max_batch_size=cfg.rollout_max_batch_size,
-        lockstep=cfg.rl_runtime == "single",
-    )
+__all__ = ["ColocatedRuntime", "Components", "default_engine", "run"]
 
 
 @dataclasses.dataclass
@@ -91,13 +49,14 @@ class Components:
     optimizer: Any = None  # an optax transformation; None: `trainer.make_optimizer(cfg)`
 
 
-def default_components(cfg: Config, topo: topology.Topology) -> Components:
-    tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
+def default_components(cfg: Config, topo: topology.Topology, tokenizer, task: Task
+                       ) -> Components:
+    """The config's tiny Qwen3 on the global mesh (a cross-host build: run it guarded)."""
     mesh = topology.trainer_mesh(topo)
     vocab = len(tokenizer)
     model = models.build_model(cfg, models.model_config(cfg, vocab), mesh)
     policy, params = qwen3_policy(model)
-    return Components(tokenizer, load_task(cfg), mesh, policy, params,
+    return Components(tokenizer, task, mesh, policy, params,
                       models.model_config(cfg, vocab, for_sampling=True))
 
 
@@ -105,69 +64,76 @@ class ColocatedRuntime:
     """One host's controller: owns its engine, its share of the batch, its metrics."""
 
     def __init__(self, cfg: Config, topo: topology.Topology,
-                 components: Components | None = None,
+                 components: Components | Callable[[], Components] | None = None,
                  engine_factory: EngineFactory = default_engine):
+        """`components`: prebuilt, or a function that builds them (run under the watchdog)."""
         cfg.validate_topology(topo.num_hosts, len(topo.local_devices))
         self.cfg, self.topo = cfg, topo
-        parts = components or default_components(cfg, topo)
-        self.tokenizer, self.task, self.mesh = parts.tokenizer, parts.task, parts.mesh
+        self.watchdog = topology.Watchdog(topo.host, cfg.collective_timeout_s,
+                                          cfg.compile_timeout_s)
+        if callable(components):
+            with self.watchdog.guard("build", compiles=True):
+                components = components()
+        tokenizer = components.tokenizer if components else \
+            load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
+        # Prompts over the budget go before any device work (MaxText filters its data too).
+        self.task, self.prompt_tokens = phases.filter_task(
+            components.task if components else load_task(cfg), tokenizer, cfg, topo.host)
+        self.reward_fns = rewards.resolve_reward_fns(cfg.reward_functions, self.task)
+        with self.watchdog.guard("build", compiles=True):
+            parts = components or default_components(cfg, topo, tokenizer, self.task)
+            self.trainer = Trainer(cfg, parts.policy, parts.params, parts.mesh,
+                                   tx=parts.optimizer)
+        self.tokenizer, self.mesh = tokenizer, parts.mesh
         self.pad_id = self.tokenizer.pad_token_id
         self.eos_id = self.tokenizer.eos_token_id
-        self.reward_fns = rewards.resolve_reward_fns(cfg.reward_functions, self.task)
-        self.prompt_tokens = tokenize_prompts(self.tokenizer, self.task.prompts,
-                                              cfg.max_prefill_predict_length)
         self.prompt_lengths = np.array([len(t) for t in self.prompt_tokens])
         self.output_len_sum = np.zeros(len(self.prompt_tokens))  # for O3's expected output
         self.output_len_count = np.zeros(len(self.prompt_tokens))
-        self.trainer = Trainer(cfg, parts.policy, parts.params, self.mesh, tx=parts.optimizer)
         self.engine = engine_factory(cfg, parts.engine_model_config, list(topo.local_devices),
                                      self.pad_id, self.eos_id)
         self.publisher = Publisher(self.mesh, cfg.rl_publish_weights_single_call)
-        self.watchdog = topology.Watchdog(topo.host, cfg.collective_timeout_s)
-        self.sampling = sampling_params(cfg)
-        self.checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.max_num_checkpoints_to_keep) \
-            if cfg.enable_checkpointing else None
+        self.sampling = phases.sampling_params(cfg)
+        self.state = RunState(cfg, self.watchdog, topo.is_leader)
+        self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps)
         self.start_step = self._maybe_restore()
-        with self.watchdog.guard("publish"):
+        with self.watchdog.guard("publish", compiles=True):
             self.publisher.publish(self.trainer.engine_params(), self.engine)
 
         self.run_dir = cfg.run_dir
-        self.host_log = metrics.JsonlSink(self.run_dir / f"host_{topo.host}.jsonl")
-        self.step_log = metrics.JsonlSink(self.run_dir / "steps.jsonl") if topo.is_leader else None
+        # Records of steps a resume re-runs are dropped: every step appears once.
+        self.host_log = metrics.JsonlSink(self.run_dir / f"host_{topo.host}.jsonl",
+                                          self.start_step)
+        self.step_log = metrics.JsonlSink(self.run_dir / "steps.jsonl", self.start_step) \
+            if topo.is_leader else None
         self.exporter = metrics.Exporter(self._export, cfg.rl_async_metrics_export,
                                          cfg.rl_metrics_queue_size)
-        self.step_records: list[dict] = []
+        # The summary covers the whole run, resumed segments included.
+        self.step_records: list[dict] = list(self.step_log.kept) if self.step_log else []
         self._pending: tuple[int, dict] | None = None  # last step's host record, not yet global
         self._step_start: dict[int, float] = {}
+        self._seen_k: set[int] = set()  # rows per device the train step has compiled for
         self._compiles = self._compile_count()
 
     # --- checkpoints -----------------------------------------------------------------------
 
     def _maybe_restore(self) -> int:
-        """Resumes from the latest checkpoint in the run directory; returns the first step."""
-        step = self.checkpointer.latest_step() if self.checkpointer else None
-        if step is None:
-            return 0
-        with self.watchdog.guard("restore"):
-            state = self.checkpointer.restore(step, self._train_state())
-        self.trainer.params, self.trainer.opt_state = state["params"], state["opt_state"]
-        if "output_len" in state:
-            self.output_len_sum, self.output_len_count = np.array(state["output_len"])
-        if self.topo.is_leader:
-            print(f"resumed from {self.cfg.checkpoint_dir} step {step}", flush=True)
-        return step + 1
+        """Resumes from the newest readable checkpoint in the run directory; the first step."""
+        first, state = self.state.restore(self._train_state())
+        if state is not None:
+            self.trainer.params, self.trainer.opt_state = state["params"], state["opt_state"]
+            if "output_len" in state:
+                self.output_len_sum, self.output_len_count = np.array(state["output_len"])
+            self.nonfinite.count = int(state.get("nonfinite_steps", 0))
+        return first
 
     def _train_state(self) -> dict:
-        """What a resume needs: the trainer state, and the output-length history that O3's
-        expected-output weights admit by (kept whatever the flags, so they may change)."""
+        """What a resume needs: the trainer state, the output-length history that O3's
+        expected-output weights admit by (kept whatever the flags, so they may change), and
+        the count of skipped non-finite steps."""
         return {"params": self.trainer.params, "opt_state": self.trainer.opt_state,
-                "output_len": np.stack([self.output_len_sum, self.output_len_count])}
-
-    def _maybe_save(self, step: int) -> None:
-        last = step == self.cfg.steps - 1
-        if self.checkpointer and (last or (step + 1) % self.cfg.checkpoint_period == 0):
-            with self.watchdog.guard("checkpoint"):
-                self.checkpointer.save(step, self._train_state())
+                "output_len": np.stack([self.output_len_sum, self.output_len_count]),
+                "nonfinite_steps": np.array(self.nonfinite.count, np.int32)}
 
     # --- phases ----------------------------------------------------------------------------
 
@@ -190,7 +156,7 @@ class ColocatedRuntime:
         g = self.cfg.num_generations
         requests = [self.prompt_tokens[i] for i in local_idx for _ in range(g)]
         return self.engine.generate(requests, self.sampling,
-                                    rollout_seed(self.cfg.seed, step, self.topo.host))
+                                    phases.rollout_seed(self.cfg.seed, step, self.topo.host))
 
     def score(self, local_idx: np.ndarray, completions: list[Completion]):
         g = self.cfg.num_generations
@@ -201,32 +167,16 @@ class ColocatedRuntime:
             skip_special_tokens=True)
         prompts = [self.task.prompts[i] for i in expanded]
         fields = {k: [v[i] for i in expanded] for k, v in self.task.fields.items()}
-        reward = rewards.score(self.reward_fns, prompts, texts, fields)
+        reward = rewards.score(self.reward_fns, prompts, texts, fields, expanded)
         correct = np.asarray(self.task.accuracy_fn(prompts=prompts, completions=texts, **fields))
         return reward, correct, rewards.group_advantages(reward, g)
 
     def pack(self, local_idx, completions, advantages, sync_payload: np.ndarray):
         """Local rows padded to the agreed K; also all-gathers `sync_payload` (O1 metrics)."""
         g = self.cfg.num_generations
-        seqs = [
-            packing.Sequence(self.prompt_tokens[local_idx[j // g]], c.tokens,
-                             float(advantages[j]), c.logprobs)
-            for j, c in enumerate(completions)
-        ]
-        rows = packing.pack(seqs, self.cfg.max_target_length, self.pad_id)
-        counts = np.array([rows.num_rows, len(seqs), sum(len(c.tokens) for c in completions)],
-                          np.float64)
-        with self.watchdog.guard("pack"):
-            gathered = topology.allgather(np.concatenate([counts, sync_payload]))
-        k = packing.rows_per_device(gathered[:, 0].astype(int).tolist(),
-                                    len(self.topo.local_devices))
-        rows = packing.pad_rows(rows, k * len(self.topo.local_devices), self.pad_id)
-        weights = loss_weights(rows, self.cfg.loss_agg_mode, int(gathered[:, 1].sum()),
-                               int(gathered[:, 2].sum()))
-        local = {f: getattr(rows, f) for f in ("tokens", "positions", "segment_ids", "targets",
-                                               "loss_mask", "advantages", "old_logps")}
-        local["weights"] = weights.astype(np.float32)
-        return local, gathered[:, 3:]
+        prompts = [self.prompt_tokens[i] for i in local_idx for _ in range(g)]
+        return phases.pack_local(self.cfg, prompts, completions, advantages, self.pad_id,
+                                 len(self.topo.local_devices), sync_payload, self.watchdog)
 
     # --- the step --------------------------------------------------------------------------
 
@@ -241,18 +191,26 @@ class ColocatedRuntime:
             reward, correct, advantages = self.score(local_idx, completions)
         with timer.phase("pack"):
             payload = self._pending_payload() if cfg.rl_async_metrics_export else np.zeros(0)
-            local, prev_hosts = self.pack(local_idx, completions, advantages, payload)
+            local, prev_hosts, k = self.pack(local_idx, completions, advantages, payload)
         if cfg.rl_async_metrics_export and self._pending is not None:
             self._emit_global(prev_hosts)
-        with timer.phase("train"), self.watchdog.guard("train"):
+        compiles = k not in self._seen_k  # step 0, or a K the update has not compiled for
+        self._seen_k.add(k)
+        train_programs = self.trainer.compile_count
+        with timer.phase("train"), self.watchdog.guard("train", compiles=compiles):
             train_metrics = self.trainer.step(local)
-        with timer.phase("publish"), self.watchdog.guard("publish"):
-            self.publisher.publish(self.trainer.engine_params(), self.engine)
+        train_compiled = int(self.trainer.compile_count > train_programs)
+        # A step the trainer did not apply (non-finite) changed nothing: nothing to publish.
+        if self.nonfinite.applied(step, train_metrics, self.state.describe_last()):
+            with timer.phase("publish"), self.watchdog.guard("publish", compiles=compiles):
+                self.publisher.publish(self.trainer.engine_params(), self.engine)
+        train_metrics = {**train_metrics, "nonfinite_steps": self.nonfinite.count}
         lens = np.array([len(c.tokens) for c in completions])
         lens_by_prompt = lens.reshape(len(local_idx), -1).mean(1)
         self._record_lengths(local_idx, lens_by_prompt)
         record = self._host_record(step, local_idx, global_idx, timer, reward, correct,
                                    completions, lens, lens_by_prompt, train_metrics)
+        record.update(rows_per_device=k, train_compiled=train_compiled)
         self.exporter.export({"kind": "host", **record})
         self._pending = (step, record)
         if not cfg.rl_async_metrics_export:
@@ -310,8 +268,8 @@ class ColocatedRuntime:
         if self.topo.is_leader:
             rec = metrics.global_record(step, per_host, record["global_prompt_indices"])
             rec["step_s"] = period
-            rec.update({k: record[k] for k in ("loss", "grad_norm", "kl", "kl_loss", "finite")
-                        if k in record})
+            rec.update({k: record[k] for k in ("loss", "grad_norm", "kl", "kl_loss", "finite",
+                                               "nonfinite_steps") if k in record})
             self.step_records.append(rec)
             self.exporter.export({"kind": "global", **rec})
 
@@ -327,18 +285,31 @@ class ColocatedRuntime:
     # --- the run ---------------------------------------------------------------------------
 
     def run(self) -> dict | None:
-        """All steps, then host 0 writes and returns summary.json."""
+        """All steps, then host 0 writes and returns summary.json.
+
+        Raises `Preempted` (after every host saved) when a host got a preemption notice, and
+        `NonFiniteError` when non-finite steps pass max_nonfinite_steps (nothing saved).
+        """
         try:
             for step in range(self.start_step, self.cfg.steps):
                 self.step(step)
-                self._maybe_save(step)
+                preempted = topology.preemption_noticed(step)
+                if preempted or self.state.due(step):
+                    if preempted and self._pending is not None:
+                        self._flush_metrics()  # O1: the step's record before the process ends
+                    self.state.save(step, self._train_state)
+                if preempted:
+                    message = (f"host {self.topo.host}: preemption notice (SIGTERM) at step "
+                               f"{step}; {self.state.describe_last()}. Rerun the same command "
+                               "to resume.")
+                    self.state.close()
+                    raise Preempted(message)
                 if step == self.start_step and self.cfg.rl_gc_freeze_after_warmup:
                     freeze_gc()
             if self._pending is not None:
                 self._flush_metrics()
+            self.state.close()
         finally:
-            if self.checkpointer:
-                self.checkpointer.close()
             self.exporter.close()
             self.host_log.close()
             if self.step_log:
@@ -369,6 +340,7 @@ class ColocatedRuntime:
                                for p in metrics.PHASES},
             "tokens_generated": int(sum(r["tokens_generated"] for r in recs)),
             "compiled_steps": int(sum(r["compiled"] for r in recs)),
+            "nonfinite_steps": self.nonfinite.count,
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(summary_table(summary), flush=True)
