@@ -23,7 +23,7 @@ import numpy as np
 from tunix_mcjax import admission, metrics, models, packing, rewards, topology
 from tunix_mcjax.checkpoint import Checkpointer
 from tunix_mcjax.config import Config, ConfigError
-from tunix_mcjax.engine import Completion, Engine, SamplingParams
+from tunix_mcjax.engine import Completion, Engine, SamplingParams, stops
 from tunix_mcjax.publish import Publisher
 from tunix_mcjax.tasks import Task, load_task
 from tunix_mcjax.tokenizer import load_tokenizer
@@ -63,11 +63,12 @@ def tokenize_prompts(tokenizer, prompts: list[str], max_len: int) -> list[np.nda
     return out
 
 
-def default_engine(cfg: Config, model_config, devices, pad_id: int, eos_id: int) -> Engine:
+def default_engine(cfg: Config, model_config, devices, pad_id: int,
+                   eos_ids: tuple[int, ...]) -> Engine:
     from tunix_mcjax.engine.jax_engine import JaxEngine
 
     return JaxEngine(
-        model_config, devices, pad_id=pad_id, eos_id=eos_id,
+        model_config, devices, pad_id=pad_id, eos_ids=eos_ids,
         max_prompt_length=cfg.max_prefill_predict_length,
         max_new_tokens=cfg.max_completion_length,
         tensor_parallelism=cfg.rollout_tensor_parallelism,
@@ -112,7 +113,8 @@ class ColocatedRuntime:
         parts = components or default_components(cfg, topo)
         self.tokenizer, self.task, self.mesh = parts.tokenizer, parts.task, parts.mesh
         self.pad_id = self.tokenizer.pad_token_id
-        self.eos_id = self.tokenizer.eos_token_id
+        self.eos_ids = stops.model_stop_ids(self.tokenizer, (cfg.load_parameters_path,
+                                                             cfg.tokenizer_path))
         self.reward_fns = rewards.resolve_reward_fns(cfg.reward_functions, self.task)
         self.prompt_tokens = tokenize_prompts(self.tokenizer, self.task.prompts,
                                               cfg.max_prefill_predict_length)
@@ -121,7 +123,7 @@ class ColocatedRuntime:
         self.output_len_count = np.zeros(len(self.prompt_tokens))
         self.trainer = Trainer(cfg, parts.policy, parts.params, self.mesh, tx=parts.optimizer)
         self.engine = engine_factory(cfg, parts.engine_model_config, list(topo.local_devices),
-                                     self.pad_id, self.eos_id)
+                                     self.pad_id, self.eos_ids)
         self.publisher = Publisher(self.mesh, cfg.rl_publish_weights_single_call)
         self.watchdog = topology.Watchdog(topo.host, cfg.collective_timeout_s)
         self.sampling = sampling_params(cfg)
@@ -195,9 +197,9 @@ class ColocatedRuntime:
     def score(self, local_idx: np.ndarray, completions: list[Completion]):
         g = self.cfg.num_generations
         expanded = [i for i in local_idx for _ in range(g)]
-        stop = {self.eos_id, *self.sampling.stop_token_ids}
+        # A completion that stopped ends with its stop token; only that one is dropped.
         texts = self.tokenizer.batch_decode(
-            [[t for t in c.tokens if t not in stop] for c in completions],
+            [c.tokens[:-1] if c.finish_reason != "length" else c.tokens for c in completions],
             skip_special_tokens=True)
         prompts = [self.task.prompts[i] for i in expanded]
         fields = {k: [v[i] for i in expanded] for k, v in self.task.fields.items()}
