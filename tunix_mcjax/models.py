@@ -81,13 +81,16 @@ def create_model(mc: qwen3.ModelConfig, seed: int, mesh: jax.sharding.Mesh | Non
 
 
 def load_model(mc: qwen3.ModelConfig, path: str, mesh: jax.sharding.Mesh | None = None):
-    """Qwen3 from a local Hugging Face safetensors directory (Tunix's loader), sharded on mesh."""
+    """Qwen3 from a local Hugging Face safetensors directory (Tunix's loader), sharded on mesh.
+
+    Tensors are cast to the config's param dtype: Tunix keeps the file's dtype otherwise, so a
+    bf16 checkpoint (as Qwen3 ships) would train in bf16 under `weight_dtype=float32`."""
     from pathlib import Path
 
     if not Path(path).is_dir() or not any(Path(path).glob("*.safetensors")):
         raise ConfigError(f"load_parameters_path={path!r} is not a directory with *.safetensors "
                           "files (a Hugging Face Qwen3 checkpoint)")
-    return qwen3_params.create_model_from_safe_tensors(path, mc, mesh=mesh)
+    return qwen3_params.create_model_from_safe_tensors(path, mc, mesh=mesh, dtype=mc.param_dtype)
 
 
 def build_model(cfg: Config, mc: qwen3.ModelConfig, mesh: jax.sharding.Mesh | None = None):
