@@ -22,9 +22,12 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def model_config(cfg: Config, vocab_size: int, *, for_sampling: bool = False) -> qwen3.ModelConfig:
-    """The Tunix ModelConfig for `cfg.model_name` (`qwen3-tiny` reads the `base_*` keys)."""
+    """The Tunix ModelConfig for `cfg.model_name` (`qwen3-tiny` reads the `base_*` keys); the
+    engine's (`for_sampling`) holds its weights in `rollout_weight_dtype`."""
     sharding = qwen3.ShardingConfig.get_default_sharding(is_sampling=for_sampling)
-    dtypes = {"dtype": DTYPES[cfg.dtype], "param_dtype": DTYPES[cfg.weight_dtype]}
+    weights = cfg.rollout_weight_dtype if for_sampling and cfg.rollout_weight_dtype else \
+        cfg.weight_dtype
+    dtypes = {"dtype": DTYPES[cfg.dtype], "param_dtype": DTYPES[weights]}
     if cfg.model_name == "qwen3-tiny":
         return qwen3.ModelConfig(
             num_layers=cfg.base_num_decoder_layers,

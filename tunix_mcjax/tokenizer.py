@@ -23,6 +23,10 @@ def char_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def load_tokenizer(tokenizer_type: str, tokenizer_path: str = ""):
+    """`tokenizer_path` is a local HF tokenizer dir, or the name of one shipped in MaxText's wheel
+    (`qwen3-tokenizer`), as MaxText's own `tokenizer_path` takes it."""
     if tokenizer_type == "char":
         return char_tokenizer()
-    return AutoTokenizer.from_pretrained(tokenizer_path)
+    from tunix_mcjax.maxtext.data import resolve_tokenizer_path
+
+    return AutoTokenizer.from_pretrained(resolve_tokenizer_path(tokenizer_path))
