@@ -91,9 +91,19 @@ class Config:
     adam_weight_decay: float = 0.0
     gradient_clipping_threshold: float = 1.0
 
-    # Trainer: gather FSDP params once per step (few large collectives, data-parallel compute;
-    # best for small models), or false to let XLA place collectives per op (less peak memory).
-    fsdp_gather_params_once: bool = True
+    # --- Trainer memory (trainer.py, memory.py) ---
+    # auto | true | false. true: gather the FSDP params once per forward pass (few large
+    # collectives, data-parallel compute; best for small models); false: params stay sharded
+    # through compute (XLA gathers per layer; less peak memory); auto: `memory.gather_params_once`.
+    fsdp_gather_params_once: str = "auto"
+    # MaxText's: prompts per micro-batch (the unit of batch_size); the step's packed rows are
+    # split into batch_size / train_micro_batch_size micro-batches whose gradients accumulate
+    # into one update. <= 0 or == batch_size: no accumulation.
+    train_micro_batch_size: int = -1
+    # Tokens per device whose fp32 logits exist at once when scoring (sequence chunks, recomputed
+    # in the backward); 0: all logits at once.
+    train_logits_chunk_tokens: int = 2048
+    # --- end trainer memory ---
 
     # GRPO loss (MaxText names; Tunix semantics).
     grpo_beta: float = 0.0
@@ -165,12 +175,17 @@ _CHOICES = {
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
     "rollout_weight_dtype": ("", "float32", "bfloat16"),
+    "fsdp_gather_params_once": ("auto", "true", "false"),
 }
+# String keys that also take a YAML boolean (true/false), read as "true"/"false".
+_BOOL_OR_CHOICE = ("fsdp_gather_params_once",)
 
 
 def _coerce(key: str, value: Any) -> Any:
     """Checks one value against the field's type; ints widen to floats, lists to tuples."""
     hint = typing.get_type_hints(Config)[key]
+    if key in _BOOL_OR_CHOICE and isinstance(value, bool):
+        return str(value).lower()
     origin = typing.get_origin(hint)
     if origin is tuple or hint is tuple:
         if isinstance(value, str):
@@ -271,5 +286,14 @@ def _validate(cfg: Config) -> None:
         raise ConfigError("decode_sampling_nucleus_p must be in (0, 1]")
     if cfg.base_num_query_heads % cfg.base_num_kv_heads:
         raise ConfigError("base_num_query_heads must be a multiple of base_num_kv_heads")
+    mb = cfg.train_micro_batch_size
+    if mb > 0 and (mb > cfg.batch_size or cfg.batch_size % mb):
+        raise ConfigError(
+            f"train_micro_batch_size={mb} prompts per micro-batch must divide batch_size="
+            f"{cfg.batch_size} (as in MaxText/Tunix). Use a divisor of {cfg.batch_size}, or -1 "
+            "for no gradient accumulation.")
+    if cfg.train_logits_chunk_tokens < 0:
+        raise ConfigError(f"train_logits_chunk_tokens must be >= 0 (0: no chunking), got "
+                          f"{cfg.train_logits_chunk_tokens}")
     if cfg.tokenizer_type == "huggingface" and not cfg.tokenizer_path:
         raise ConfigError("tokenizer_type=huggingface needs tokenizer_path=<dir with tokenizer>")

@@ -1,19 +1,17 @@
 """The global FSDP train step: Tunix's GRPO loss on packed rows, one optax update.
 
-`grpo_token_terms` is the pure step math. It equals Tunix's `grpo_loss_fn` (tunix.rl.algo_core)
-for `kl_loss_mode="kl"`, no dual clip, one iteration per batch (old logps =
-stop_gradient(current)); a test checks the update against Tunix's to 1e-5. On-policy, Tunix's
-`loss_algo="gspo-token"` is the same update as "grpo": each token's ratio is
-exp(logp - sg(logp) + sg(sequence mean of log-ratios = 0)), GRPO's exactly, in value and
-gradient; the same test checks it. Off-policy they differ, so that combination is refused.
-Tunix's aggregation modes are linear in per-token terms, so they become fixed per-token weights
-computed on the host from global counts (`loss_weights`), which makes the loss exact across hosts
-and packed rows.
+The step math is in `loss.py` (equal to Tunix's `grpo_loss_fn`; a test checks the update against
+Tunix's to 1e-5). Memory: attention is blockwise over segments (`attention.py`), logprobs are
+scored in sequence chunks (`train_logits_chunk_tokens`), params are gathered once or stay sharded
+(`fsdp_gather_params_once`, `memory.gather_params_once`), and `train_micro_batch_size` splits the
+step's rows into micro-batches whose gradients accumulate into one update. A non-finite loss or
+gradient norm leaves params and optimizer state exactly as they were (`finite` = 0).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -23,72 +21,72 @@ import numpy as np
 import optax
 from flax import nnx
 
+from tunix_mcjax import memory, packed_qwen3
 from tunix_mcjax.config import Config
-from tunix_mcjax.packing import Rows
+from tunix_mcjax.loss import (
+    chunked_token_logps,
+    grpo_token_terms,
+    loss_weights,
+    step_sums,
+    token_logps,
+)
+
+__all__ = ["BATCH_KEYS", "Policy", "Trainer", "grpo_token_terms", "loss_weights",
+           "make_optimizer", "packed_attention_mask", "qwen3_policy", "token_logps"]
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages",
               "old_logps", "weights")
 
 # (model, tokens [B,T], positions [B,T], segment_ids [B,T]) -> logits [B,T,V] (fp32)
 ForwardFn = Callable[[nnx.Module, jax.Array, jax.Array, jax.Array], jax.Array]
+# The same, up to final-normed hidden states [B,T,D]; and (model, hidden [...,D]) -> fp32 logits.
+HiddenFn = Callable[[nnx.Module, jax.Array, jax.Array, jax.Array], jax.Array]
+UnembedFn = Callable[[nnx.Module, jax.Array], jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
 class Policy:
-    """What the trainer needs from a model family."""
+    """What the trainer needs from a model family. With `hidden` and `unembed` the trainer
+    scores logprobs in chunks; without them it takes `forward`'s whole logits."""
 
     graphdef: nnx.GraphDef
     forward: ForwardFn
     # Trainer params -> the engine's Tunix-Qwen3 param tree (a nested dict of arrays).
     to_engine_params: Callable[[nnx.State], dict]
+    hidden: HiddenFn | None = None
+    unembed: UnembedFn | None = None
 
 
 def packed_attention_mask(segment_ids: jax.Array) -> jax.Array:
-    """Causal attention within a segment only; padding (segment 0) attends to nothing."""
+    """Dense [B, T, T] mask: causal within a segment; padding (segment 0) attends to nothing.
+    The reference that `attention.segment_attention` equals, without building it."""
     t = segment_ids.shape[1]
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     same = segment_ids[:, :, None] == segment_ids[:, None, :]
     return same & causal[None] & (segment_ids[:, :, None] > 0)
 
 
-def qwen3_forward(model: nnx.Module, tokens, positions, segment_ids) -> jax.Array:
-    logits, _ = model(tokens, positions, None, packed_attention_mask(segment_ids))
-    return logits
+def _tree(model: nnx.Module) -> dict:
+    return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _qwen3_hidden(model, tokens, positions, segment_ids):
+    return packed_qwen3.hidden_states(model.config, _tree(model), tokens, positions, segment_ids)
+
+
+def _qwen3_unembed(model, hidden):
+    return packed_qwen3.unembed(model.config, _tree(model), hidden)
+
+
+def _qwen3_forward(model, tokens, positions, segment_ids):
+    return _qwen3_unembed(model, _qwen3_hidden(model, tokens, positions, segment_ids))
 
 
 def qwen3_policy(model: nnx.Module) -> tuple[Policy, nnx.State]:
     """A Tunix Qwen3 model as a Policy, plus its params. The engine runs the same tree."""
     graphdef, params = nnx.split(model, nnx.Param)
-    return Policy(graphdef, qwen3_forward, nnx.to_pure_dict), params
-
-
-def token_logps(logits: jax.Array, targets: jax.Array, temperature: float) -> jax.Array:
-    """log p(target) per position, with the rollout temperature applied as Tunix does."""
-    if temperature not in (0.0, 1.0):
-        logits = logits / temperature
-    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-    return picked - jax.nn.logsumexp(logits, axis=-1)
-
-
-def grpo_token_terms(logps: jax.Array, batch: dict, ref_logps: jax.Array | None, *,
-                     beta: float, epsilon: float, off_policy: bool) -> jax.Array:
-    """Per-token GRPO loss (clipped surrogate + beta * KL). Masking and weights come later."""
-    old = batch["old_logps"] if off_policy else jax.lax.stop_gradient(logps)
-    ratio = jnp.exp(jnp.clip(logps - old, -20.0, 20.0))
-    adv = batch["advantages"]
-    per_token = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - epsilon, 1 + epsilon))
-    if ref_logps is not None and beta != 0.0:
-        per_token = per_token + beta * (logps - ref_logps)
-    return per_token
-
-
-def loss_weights(rows: Rows, mode: str, global_sequences: int, global_tokens: int) -> np.ndarray:
-    """Per-token weights whose weighted sum is Tunix's aggregate over the GLOBAL batch."""
-    if mode == "sequence-mean-token-mean":
-        return rows.seq_weight / max(global_sequences, 1)
-    if mode == "token-mean":
-        return rows.loss_mask / max(global_tokens, 1)
-    raise ValueError(f"loss_agg_mode={mode!r} is not supported")
+    return Policy(graphdef, _qwen3_forward, nnx.to_pure_dict, _qwen3_hidden,
+                  _qwen3_unembed), params
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -104,6 +102,12 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.chain(*chain)
 
 
+def param_bytes_each(params: Any) -> tuple[int, int]:
+    """(parameter count, bytes per parameter of the widest leaf dtype)."""
+    leaves = jax.tree.leaves(params)
+    return sum(x.size for x in leaves), max(x.dtype.itemsize for x in leaves)
+
+
 class Trainer:
     """Holds the global (FSDP) params and optimizer state; one jitted update per step."""
 
@@ -112,13 +116,23 @@ class Trainer:
         if off_policy and cfg.loss_algo != "grpo":
             raise ValueError(f"loss_algo={cfg.loss_algo} is only implemented on-policy (old logps "
                              "= stop_gradient(current)), where it equals grpo")
+        if cfg.train_logits_chunk_tokens and policy.hidden is None:
+            raise ValueError(f"train_logits_chunk_tokens={cfg.train_logits_chunk_tokens}: this "
+                             "policy computes whole logits only; set train_logits_chunk_tokens=0")
         self.cfg, self.policy, self.mesh = cfg, policy, mesh
         self.tx = tx or make_optimizer(cfg)
         self.params = params
         self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
-        # Gathering every FSDP shard once per step makes the compute plain data parallel: one
-        # all-gather per leaf and one combined gradient all-reduce, instead of the per-op
-        # activation collectives XLA's partitioner otherwise inserts (~70 -> 16 on Qwen3-tiny).
+        count, width = param_bytes_each(params)
+        devices = mesh.devices.size
+        # Gathering every FSDP shard once per forward makes the compute plain data parallel: one
+        # all-gather per leaf and one combined gradient reduction, instead of the per-op
+        # collectives XLA's partitioner otherwise inserts (~70 -> 16 on Qwen3-tiny); it costs a
+        # full replica of params and gradients per device.
+        self.gather_params_once = memory.gather_params_once(
+            cfg.fsdp_gather_params_once, param_count=count, bytes_per_param=width,
+            num_devices=devices, device_memory_bytes=memory.device_memory_bytes(
+                mesh.devices.flat[0], len(jax.local_devices())))
         replicated = jax.NamedSharding(mesh, jax.P())
         self.gathered = jax.tree.map(lambda _: replicated, params)
         # Optimizer moments shard like their params (replicated scalars otherwise), and keep
@@ -129,50 +143,103 @@ class Trainer:
         with jax.set_mesh(mesh):
             self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
         self.ref_params = jax.tree.map(jnp.copy, params) if cfg.grpo_beta else None
-        self.row_sharding = jax.NamedSharding(mesh, jax.P("fsdp"))
+        self.micro_batches = memory.num_micro_batches(cfg.batch_size, cfg.train_micro_batch_size)
+        self.batch_sharding = jax.NamedSharding(mesh, jax.P(None, "fsdp"))
         self._step = jax.jit(self._update, static_argnames=("off_policy",), donate_argnums=(0, 1))
         self.off_policy = off_policy
 
-    def _loss(self, params, ref_params, batch, off_policy):
-        cfg = self.cfg
-        if cfg.fsdp_gather_params_once:
+    def _logps(self, params, batch):
+        cfg, policy = self.cfg, self.policy
+        if self.gather_params_once:
             params = jax.lax.with_sharding_constraint(params, self.gathered)
-        fwd = self.policy.forward
+        model = nnx.merge(policy.graphdef, params)
         args = (batch["tokens"], batch["positions"], batch["segment_ids"])
-        logits = fwd(nnx.merge(self.policy.graphdef, params), *args)
-        logps = token_logps(logits, batch["targets"], cfg.decode_sampling_temperature)
+        temperature = cfg.decode_sampling_temperature
+        if policy.hidden is None:
+            return token_logps(policy.forward(model, *args), batch["targets"], temperature)
+        return chunked_token_logps(
+            policy.hidden(model, *args), batch["targets"],
+            functools.partial(policy.unembed, model), temperature,
+            chunk_tokens=cfg.train_logits_chunk_tokens,
+            rows_per_device=batch["tokens"].shape[0] // self.mesh.shape["fsdp"])
+
+    def _loss(self, params, ref_params, batch, off_policy):
+        logps = self._logps(params, batch)
         ref_logps = None
         if ref_params is not None:
-            ref_logits = fwd(nnx.merge(self.policy.graphdef, ref_params), *args)
-            ref_logps = jax.lax.stop_gradient(
-                token_logps(ref_logits, batch["targets"], cfg.decode_sampling_temperature))
-        per_token = grpo_token_terms(logps, batch, ref_logps, beta=cfg.grpo_beta,
-                                     epsilon=cfg.grpo_epsilon, off_policy=off_policy)
-        loss = jnp.sum(per_token * batch["weights"] * batch["loss_mask"])
-        kl = 0.0 if ref_logps is None else jnp.sum(
-            (logps - ref_logps) * batch["weights"] * batch["loss_mask"])
-        return loss, {"kl": kl}
+            ref_logps = jax.lax.stop_gradient(self._logps(ref_params, batch))
+        per_token = grpo_token_terms(logps, batch, ref_logps, beta=self.cfg.grpo_beta,
+                                     epsilon=self.cfg.grpo_epsilon, off_policy=off_policy)
+        sums = step_sums(logps, ref_logps, per_token, batch)
+        return sums["loss"], sums
+
+    def _grads(self, params, ref_params, batch, off_policy):
+        """(sums, grads) over the step's micro-batches (leading axis of every batch array)."""
+        grad_fn = jax.value_and_grad(self._loss, has_aux=True)
+        if batch["tokens"].shape[0] == 1:
+            (_, sums), grads = grad_fn(params, ref_params, jax.tree.map(lambda x: x[0], batch),
+                                       off_policy)
+            return sums, grads
+
+        def micro(acc, mb):
+            (_, sums), grads = grad_fn(params, ref_params, mb, off_policy)
+            grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
+            return jax.tree.map(jnp.add, acc, (sums, grads)), None
+
+        zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("loss", "tokens", "kl_loss",
+                                                             "kl_sum")}
+        zero_grads = jax.tree.map(jnp.zeros_like, params)
+        (sums, grads), _ = jax.lax.scan(micro, (zero_sums, zero_grads), batch)
+        return sums, grads
 
     def _update(self, params, opt_state, ref_params, batch, off_policy):
-        (loss, aux), grads = jax.value_and_grad(self._loss, has_aux=True)(
-            params, ref_params, batch, off_policy)
-        updates, opt_state = self.tx.update(grads, opt_state, params)
-        params = optax.apply_updates(params, updates)
+        sums, grads = self._grads(params, ref_params, batch, off_policy)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
+        updates, new_opt_state = self.tx.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+
+        def keep_if_not_finite(new, old):
+            return jnp.where(finite, new, old)
+
+        params = jax.tree.map(keep_if_not_finite, new_params, params)
+        opt_state = jax.tree.map(keep_if_not_finite, new_opt_state, opt_state)
         params = jax.lax.with_sharding_constraint(params, self.param_shardings)
         opt_state = jax.lax.with_sharding_constraint(opt_state, self.opt_shardings)
-        return params, opt_state, {"loss": loss, "grad_norm": optax.global_norm(grads), **aux}
+        metrics = {"loss": sums["loss"], "grad_norm": grad_norm,
+                   "kl": sums["kl_sum"] / jnp.maximum(sums["tokens"], 1.0),
+                   "kl_loss": sums["kl_loss"], "finite": finite.astype(jnp.float32)}
+        return params, opt_state, metrics
+
+    def micro_batch_layout(self, local_rows: int) -> tuple[int, int]:
+        """(micro-batches, rows per device in each) for this host's `local_rows` packed rows."""
+        local_devices = self.mesh.local_mesh.devices.size
+        if local_rows % local_devices:
+            raise ValueError(f"{local_rows} local rows do not divide over {local_devices} local "
+                             "devices; pad them to K rows per device (packing.pad_rows)")
+        return memory.micro_batch_rows(local_rows // local_devices, self.micro_batches)
 
     def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
-        """Global row-sharded arrays from every host's equally sized local rows."""
+        """Global arrays [micro-batches, rows, T], rows sharded over fsdp, from every host's
+        equally sized local rows. Device d's K rows are split into consecutive micro-batches
+        (empty rows pad K to a multiple), so each micro-batch has the same rows on every device."""
         n_hosts = jax.process_count()
+        local_devices = self.mesh.local_mesh.devices.size
+        n, per = self.micro_batch_layout(local["tokens"].shape[0])
         out = {}
         for key in BATCH_KEYS:
             x = local[key]
-            shape = (x.shape[0] * n_hosts, *x.shape[1:])
-            out[key] = jax.make_array_from_process_local_data(self.row_sharding, x, shape)
+            x = x.reshape(local_devices, -1, *x.shape[1:])
+            x = np.concatenate([x, np.zeros((local_devices, n * per - x.shape[1], *x.shape[2:]),
+                                            x.dtype)], axis=1)
+            x = x.reshape(local_devices, n, per, *x.shape[2:]).swapaxes(0, 1)
+            x = x.reshape(n, local_devices * per, *x.shape[3:])
+            shape = (n, local_devices * per * n_hosts, *x.shape[2:])
+            out[key] = jax.make_array_from_process_local_data(self.batch_sharding, x, shape)
         return out
 
     def step(self, local: dict[str, np.ndarray]) -> dict[str, float]:
+        """One update; `loss`, `grad_norm`, `kl` (token mean), `kl_loss`, `finite` (0: skipped)."""
         batch = self.global_batch(local)
         with jax.set_mesh(self.mesh):
             self.params, self.opt_state, metrics = self._step(

@@ -1,0 +1,92 @@
+"""The pure GRPO step math on packed rows: token logprobs, per-token terms, global weights.
+
+`grpo_token_terms` equals Tunix's `grpo_loss_fn` (tunix.rl.algo_core) for `kl_loss_mode="kl"`,
+no dual clip, one iteration per batch (old logps = stop_gradient(current)). On-policy, Tunix's
+`loss_algo="gspo-token"` is the same update as "grpo": each token's ratio is
+exp(logp - sg(logp) + sg(sequence mean of log-ratios = 0)), GRPO's exactly, in value and
+gradient. Off-policy they differ, so that combination is refused (trainer.py).
+Tunix's aggregation modes are linear in per-token terms, so they become fixed per-token weights
+computed on the host from global counts (`loss_weights`), which makes the loss exact across hosts,
+packed rows and micro-batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from tunix_mcjax.packing import Rows
+
+
+def token_logps(logits: jax.Array, targets: jax.Array, temperature: float) -> jax.Array:
+    """log p(target) per position, with the rollout temperature applied as Tunix does."""
+    if temperature not in (0.0, 1.0):
+        logits = logits / temperature
+    picked = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    return picked - jax.nn.logsumexp(logits, axis=-1)
+
+
+def chunked_token_logps(hidden: jax.Array, targets: jax.Array,
+                        unembed: Callable[[jax.Array], jax.Array], temperature: float, *,
+                        chunk_tokens: int, rows_per_device: int) -> jax.Array:
+    """`token_logps(unembed(hidden), ...)` for hidden [B, T, D], computed over sequence chunks.
+
+    Each chunk holds every row and about `chunk_tokens / rows_per_device` positions, so a
+    device's fp32 logits are at most ~`chunk_tokens` x vocab at once; the backward recomputes a
+    chunk's logits instead of keeping them. `chunk_tokens <= 0`, or one chunk, is one pass.
+    """
+    b, t, d = hidden.shape
+    width = max(1, min(t, chunk_tokens // max(rows_per_device, 1)))
+    if chunk_tokens <= 0 or width >= t:
+        return token_logps(unembed(hidden), targets, temperature)
+    num_chunks = -(-t // width)
+    pad = num_chunks * width - t
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+
+    @jax.checkpoint
+    def chunk(args):
+        h, tg = args
+        return token_logps(unembed(h), tg, temperature)
+
+    hs = jnp.moveaxis(hidden.reshape(b, num_chunks, width, d), 1, 0)
+    ts = jnp.moveaxis(targets.reshape(b, num_chunks, width), 1, 0)
+    out = jax.lax.map(chunk, (hs, ts))  # [num_chunks, B, width]
+    return jnp.moveaxis(out, 0, 1).reshape(b, num_chunks * width)[:, :t]
+
+
+def grpo_token_terms(logps: jax.Array, batch: dict, ref_logps: jax.Array | None, *,
+                     beta: float, epsilon: float, off_policy: bool) -> jax.Array:
+    """Per-token GRPO loss (clipped surrogate + beta * KL). Masking and weights come later."""
+    old = batch["old_logps"] if off_policy else jax.lax.stop_gradient(logps)
+    ratio = jnp.exp(jnp.clip(logps - old, -20.0, 20.0))
+    adv = batch["advantages"]
+    per_token = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - epsilon, 1 + epsilon))
+    if ref_logps is not None and beta != 0.0:
+        per_token = per_token + beta * (logps - ref_logps)
+    return per_token
+
+
+def loss_weights(rows: Rows, mode: str, global_sequences: int, global_tokens: int) -> np.ndarray:
+    """Per-token weights whose weighted sum is Tunix's aggregate over the GLOBAL batch."""
+    if mode == "sequence-mean-token-mean":
+        return rows.seq_weight / max(global_sequences, 1)
+    if mode == "token-mean":
+        return rows.loss_mask / max(global_tokens, 1)
+    raise ValueError(f"loss_agg_mode={mode!r} is not supported")
+
+
+def step_sums(logps: jax.Array, ref_logps: jax.Array | None, per_token: jax.Array,
+              batch: dict) -> dict[str, jax.Array]:
+    """The additive parts of a (micro-)batch's loss and metrics; sums over micro-batches are the
+    batch's. With weights from `loss_weights`, `loss` and `kl_loss` are Tunix's aggregates;
+    `kl_sum / tokens` is Tunix's logged `kl`, the token mean over completion tokens."""
+    mask, weights = batch["loss_mask"], batch["weights"]
+    out = {"loss": jnp.sum(per_token * weights * mask), "tokens": jnp.sum(mask)}
+    kl = jnp.zeros_like(logps) if ref_logps is None else logps - ref_logps
+    out["kl_loss"] = jnp.sum(kl * weights * mask)
+    out["kl_sum"] = jnp.sum(kl * mask)
+    return out

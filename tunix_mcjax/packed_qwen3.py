@@ -1,0 +1,56 @@
+"""The trainer's Qwen3 forward over Tunix's param tree, on packed rows.
+
+It is the engine's layer (`engine.qwen3_forward`, numerically Tunix's Qwen3) with blockwise
+segment attention (`attention.segment_attention`) instead of a dense [B, T, T] mask, split in
+two so the trainer can score logprobs in chunks: `hidden_states` (final-normed, [B, T, D]) and
+`unembed` (fp32 logits for any leading shape).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from tunix.models.qwen3.model import ModelConfig
+
+from tunix_mcjax.attention import KEY_BLOCK, segment_attention
+from tunix_mcjax.engine.qwen3_forward import _embed, _layer, rms_norm
+
+Params = dict[Any, Any]
+BATCH_AXIS = "fsdp"  # packed rows shard over the trainer mesh's fsdp axis
+
+
+def _rows_sharded(x: jax.Array) -> jax.Array:
+    """Keeps activations sharded by rows under a mesh with an fsdp axis (FSDP-style compute when
+    params are sharded: XLA gathers weights, not activations); a no-op elsewhere."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or BATCH_AXIS not in mesh.axis_names:
+        return x
+    return jax.lax.with_sharding_constraint(x, jax.P(BATCH_AXIS))
+
+
+def hidden_states(cfg: ModelConfig, params: Params, tokens: jax.Array, positions: jax.Array,
+                  segment_ids: jax.Array, *, key_block: int = KEY_BLOCK) -> jax.Array:
+    """Final-normed hidden states [B, T, D]; attention stays inside each row's segments."""
+
+    def attend(q, k, v):
+        return segment_attention(q, k, v, segment_ids, key_block), None
+
+    x = _rows_sharded(_embed(cfg, params, tokens))
+    layers = params["layers"]
+    for i in range(cfg.num_layers):
+        x, _ = _layer(cfg, layers[i] if i in layers else layers[str(i)], x, positions, attend)
+        x = _rows_sharded(x)
+    return rms_norm(x, params["final_norm"]["w"], cfg.norm_eps, cfg.dtype)
+
+
+def unembed(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
+    """fp32 logits [..., V] from final-normed hidden states [..., D]."""
+    x = x.astype(cfg.dtype)
+    if cfg.use_tied_embedding:
+        w = params["embedder"]["input_embedding"].astype(cfg.dtype)
+        logits = jnp.einsum("...D,VD->...V", x, w)
+    else:
+        logits = jnp.einsum("...D,DV->...V", x, params["lm_head"]["w"].astype(cfg.dtype))
+    return logits.astype(jnp.float32)
