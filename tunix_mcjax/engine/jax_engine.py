@@ -218,6 +218,10 @@ class JaxEngine(Engine):
             )
         return jax.device_put(source.astype(spec.dtype), sharding)
 
+    def weights(self, replica: int = 0) -> dict[str, Any]:
+        """The param tree replica `replica` decodes with (a nested dict of jax Arrays)."""
+        return unflatten_tree(self._params[replica])
+
     def _missing_params(self) -> list[str]:
         return ["/".join(p) for p in self._leaf_specs if p not in self._params[0]]
 
