@@ -157,7 +157,7 @@ def test_honoured_keys_land_in_config(tmp_path):
         "max_num_checkpoints_to_keep=3",
         "run_name=r1", f"base_output_directory={tmp_path}", "hf_train_files=x.parquet",
         "rollout_data_parallelism=4", "data_shuffle_seed=5", "tokenizer_path=qwen3-tokenizer",
-        "num_test_batches=0", "rl_runtime=mcjax"), {}, num_hosts=2)
+        "num_test_batches=0", "rl_runtime=mcjax", "train_micro_batch_size=2"), {}, num_hosts=2)
     assert not_applied == {}
     expected = {
         "batch_size": 4, "num_generations": 3, "max_prefill_predict_length": 64,
@@ -173,6 +173,7 @@ def test_honoured_keys_land_in_config(tmp_path):
         "checkpoint_period": 7, "max_num_checkpoints_to_keep": 3, "run_name": "r1",
         "hf_train_files": "x.parquet", "rollout_data_parallelism": 2, "seed": 5,
         "rl_runtime": "mcjax", "base_num_decoder_layers": 2, "base_emb_dim": 64,
+        "train_micro_batch_size": 2, "train_logits_chunk_tokens": 0,
     }
     assert {k: getattr(cfg, k) for k in expected} == pytest.approx(expected)
     assert cfg.run_dir == tmp_path / "r1"
@@ -188,11 +189,11 @@ def test_pathways_and_vllm_settings_are_reported_not_applied():
 
 def test_unsupported_settings_are_refused_by_name(monkeypatch):
     with pytest.raises(ConfigError) as err:
-        checked_config(maxtext_argv("train_micro_batch_size=1", "rl.num_iterations=2",
+        checked_config(maxtext_argv("max_seq_token_per_tpu=4096", "rl.num_iterations=2",
                                     "attention=autoselected", "max_target_length=2048"), {}, 1)
     msg = str(err.value)
-    for key in ("train_micro_batch_size=1", "rl.num_iterations=2", "attention='autoselected'",
-                "gradient accumulation", "GRPO mu"):
+    for key in ("max_seq_token_per_tpu=4096", "rl.num_iterations=2",
+                "attention='autoselected'", "token-budget micro-batching", "GRPO mu"):
         assert key in msg
     assert "max_target_length" not in msg  # honoured, so not named
     # Also through MaxText's `M_<KEY>` environment overrides.
@@ -258,6 +259,7 @@ def test_v7x_recipe_one_key_switch_is_accepted(tmp_path):
     # 64 chips = 16 hosts; every setting is honoured or reported as Pathways/vLLM-only.
     _, cfg, not_applied = checked_config(["", RL_YML, *keys], {}, num_hosts=16)
     assert (cfg.batch_size, cfg.num_generations, cfg.steps) == (128, 8, 500)
+    assert cfg.train_micro_batch_size == 32  # 4 micro-batches, as in MaxText's recipe
     assert (cfg.rollout_tensor_parallelism, cfg.rollout_data_parallelism) == (1, -1)
     assert all(getattr(cfg, k.split("=")[0]) is True for k in O1_O4)
     assert {"vllm_additional_config", "hbm_utilization_vllm", "enable_tunix_perf_metrics",

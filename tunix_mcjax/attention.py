@@ -4,7 +4,8 @@ Packed rows hold several sequences kept apart by segment ids (0 marks padding). 
 to key s when both are in the same non-padding segment and s <= t. `segment_attention` builds
 that mask per key block from the segment ids, keeps an online softmax across blocks (as flash
 attention does) and has its own backward, which recomputes each block's probabilities from the
-saved softmax statistics: memory is O(B * T * block) per step, not O(B * T * T).
+saved softmax statistics: memory is O(B * T * block) per step, not O(B * T * T). Rows that fit
+in one block are that one block: the dense formula on its [B, T, T] mask.
 
 Masked scores take Tunix's `K_MASK`, as its dense path does, so every output equals
 `jnp.where(mask, scores, K_MASK)` then softmax, padding rows included (they average all keys).
@@ -75,10 +76,22 @@ def _forward(q, k, v, segment_ids, block):
     return out, (m, denom)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def segment_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array,
                       block: int = KEY_BLOCK) -> jax.Array:
-    """GQA attention on packed rows: q [B, T, N, H], k/v [B, T, K, H], segment_ids [B, T]."""
+    """GQA attention on packed rows: q [B, T, N, H], k/v [B, T, K, H], segment_ids [B, T].
+
+    Rows of at most one key block take the dense formula on that block's mask (the same ops as
+    Tunix's masked path, so the same gradients bit for bit); longer rows go blockwise."""
+    if q.shape[1] <= block:
+        qg, (k_blk, v_blk, seg_blk, pos_blk) = _blocks(q, k, v, segment_ids, q.shape[1])
+        s, _ = _scores(qg, k_blk[0], seg_blk[0], pos_blk[0], segment_ids, q.shape[-1]**-0.5)
+        probs = jax.nn.softmax(s, axis=-1).astype(k.dtype)
+        return jnp.einsum("BKGTS,BSKH->BTKGH", probs, v).reshape(q.shape)
+    return _blockwise(q, k, v, segment_ids, block)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _blockwise(q, k, v, segment_ids, block):
     return _forward(q, k, v, segment_ids, block)[0]
 
 
@@ -124,4 +137,4 @@ def _bwd(block, res, d_out):
     return (dq.astype(q.dtype), unstack(dk).astype(k.dtype), unstack(dv).astype(v.dtype), None)
 
 
-segment_attention.defvjp(_fwd, _bwd)
+_blockwise.defvjp(_fwd, _bwd)

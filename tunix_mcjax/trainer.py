@@ -132,7 +132,7 @@ class Trainer:
         self.gather_params_once = memory.gather_params_once(
             cfg.fsdp_gather_params_once, param_count=count, bytes_per_param=width,
             num_devices=devices, device_memory_bytes=memory.device_memory_bytes(
-                mesh.devices.flat[0], len(jax.local_devices())))
+                mesh.local_mesh.devices.flat[0], mesh.local_mesh.devices.size))
         replicated = jax.NamedSharding(mesh, jax.P())
         self.gathered = jax.tree.map(lambda _: replicated, params)
         # Optimizer moments shard like their params (replicated scalars otherwise), and keep

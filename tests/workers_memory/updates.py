@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh
 
+from tests.mp import TINY
 from tests.workers.fixed_update import VOCAB, fixed_batch
 from tunix_mcjax import models, packing
 from tunix_mcjax.config import load_config
@@ -27,7 +28,7 @@ VARIANTS = {
     "gather_micro": ["fsdp_gather_params_once=true", "train_micro_batch_size=1"],
     "sharded_micro": ["fsdp_gather_params_once=false", "train_micro_batch_size=2"],
 }
-BASE = ["batch_size=4", "num_generations=4", "max_prefill_predict_length=4",
+BASE = [*TINY, "batch_size=4", "num_generations=4", "max_prefill_predict_length=4",
         "max_target_length=10", "grpo_beta=0.04", "train_logits_chunk_tokens=8"]
 
 

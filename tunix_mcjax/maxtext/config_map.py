@@ -34,6 +34,7 @@ HONOURED: dict[str, str] = {
     "rl.num_generations": "num_generations",
     "max_prefill_predict_length": "max_prefill_predict_length",
     "max_target_length": "max_target_length",
+    "train_micro_batch_size": "train_micro_batch_size (prompts per micro-batch; accumulation)",
     "num_batches": "steps = num_batches * train_fraction * num_epoch",
     "num_epoch": "steps",
     "train_fraction": "steps, and the dataset rows kept",
@@ -154,8 +155,6 @@ REFUSED: dict[str, str] = {
     "rl.use_agentic_rollout": "agentic (multi-turn) rollouts are not implemented",
     "rl.epsilon_high": "asymmetric clipping is only in Tunix's agentic learner",
     "rl.off_policy_steps": "off-policy steps are only in Tunix's agentic learner",
-    "train_micro_batch_size": "no gradient accumulation yet: each host trains its rows in one "
-                              "pass (the update is the same); remove it",
     "num_test_batches": "evaluation does not run under rl_runtime=mcjax yet; set 0",
     "eval_interval": "evaluation does not run under rl_runtime=mcjax yet",
     "stop_strings": "the engine stops on the EOS token only",
@@ -278,6 +277,9 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str) -> Config:
         "num_generations": rl.num_generations,
         "max_prefill_predict_length": config.max_prefill_predict_length,
         "max_target_length": config.max_target_length,
+        "train_micro_batch_size": config.train_micro_batch_size,
+        # MaxText's model returns whole logits (its vocab tiling is off under train_rl).
+        "train_logits_chunk_tokens": 0,
         "decode_sampling_temperature": config.decode_sampling_temperature,
         "decode_sampling_top_k": max(config.decode_sampling_top_k, 0),
         "decode_sampling_nucleus_p": config.decode_sampling_nucleus_p,

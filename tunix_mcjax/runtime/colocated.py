@@ -312,7 +312,8 @@ class ColocatedRuntime:
         if self.topo.is_leader:
             rec = metrics.global_record(step, per_host, record["global_prompt_indices"])
             rec["step_s"] = period
-            rec.update({k: record[k] for k in ("loss", "grad_norm", "kl") if k in record})
+            rec.update({k: record[k] for k in ("loss", "grad_norm", "kl", "kl_loss", "finite")
+                        if k in record})
             self.step_records.append(rec)
             self.exporter.export({"kind": "global", **rec})
 

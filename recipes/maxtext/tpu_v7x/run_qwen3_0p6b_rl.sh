@@ -154,6 +154,7 @@ max_target_length=8192 \
 max_prefill_predict_length=512 \
 learning_rate=1e-6 \
 batch_size=128 \
+train_micro_batch_size=32 \
 rollout_micro_batch_size=128 \
 rollout_data_parallelism=-1 \
 rollout_tensor_parallelism=1 \
