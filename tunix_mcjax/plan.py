@@ -96,24 +96,33 @@ def pow2_at_least(n: int) -> int:
 
 
 # Bytes a token leaves saved per decoder layer, per unit of each width, as `fixed + per_byte *
-# c` with c the compute dtype's bytes; `heads_x_keys` is per query head and key position (up to
-# one attention key block). Fitted to XLA's buffer assignment for the trainer's step (compiled
-# memory analysis on CPU: fp32 and bf16, 2 and 4 layers, each width doubled in turn; the fit is
-# within 7% on those 32 shapes). The norms keep fp32 copies and the blockwise attention fp32
-# softmax state, hence the large fixed parts.
-SAVED_PER_UNIT = {"embed": (25.0, 0.0), "mlp": (4.1, 4.1), "q_width": (52.6, 2.35),
-                  "kv_width": (1.7, 6.15), "heads_x_keys": (6.1, 0.0)}
-LOGITS_SCRATCH = 11  # bytes per scored token per vocab entry: fp32 logits and their gradient
+# c` with c the compute dtype's bytes. `heads_x_keys` counts query heads x key positions: all of
+# them for rows of one attention key block (the dense formula keeps its probabilities), one
+# block's worth for longer rows (blockwise, softmax statistics only). Fitted to XLA's buffer
+# assignment for the trainer's step (compiled memory analysis on CPU: fp32 and bf16, 2 and 4
+# layers, each width doubled in turn, rows of 128, 256 and 1024 tokens; within 5% on those 32
+# shapes).
+SAVED_PER_UNIT = {"embed": (18.1, 1.0), "mlp": (0.7, 4.5), "q_width": (16.7, 2.7),
+                  "kv_width": (0.3, 10.2)}
+DENSE_HEADS_X_KEYS = (8.1, 0.9)
+BLOCKWISE_HEADS_X_KEYS = (2.0, 0.0)
+LOGITS_SCRATCH = 9  # bytes per scored token per vocab entry: fp32 logits and their gradient
 
 
 def activation_bytes_per_token(m: ModelShape, compute_bytes: int, row_len: int,
                                remat: bool) -> int:
     """Bytes one token leaves saved for the backward, over all layers. With remat (a decoder
     layer recomputed in its backward) only each layer's input stays, plus one layer's worth."""
-    widths = {"embed": m.embed, "mlp": m.mlp, "q_width": m.q_width, "kv_width": m.kv_width,
-              "heads_x_keys": m.query_heads * min(row_len, KEY_BLOCK)}
+    widths = {"embed": m.embed, "mlp": m.mlp, "q_width": m.q_width, "kv_width": m.kv_width}
+    coefficients = dict(SAVED_PER_UNIT)
+    if row_len <= KEY_BLOCK:
+        widths["heads_x_keys"], coefficients["heads_x_keys"] = \
+            m.query_heads * row_len, DENSE_HEADS_X_KEYS
+    else:
+        widths["heads_x_keys"], coefficients["heads_x_keys"] = \
+            m.query_heads * KEY_BLOCK, BLOCKWISE_HEADS_X_KEYS
     per_layer = sum((fixed + per_byte * compute_bytes) * widths[dim]
-                    for dim, (fixed, per_byte) in SAVED_PER_UNIT.items())
+                    for dim, (fixed, per_byte) in coefficients.items())
     if remat:
         return int(compute_bytes * m.embed * m.layers + per_layer)
     return int(per_layer * m.layers)
