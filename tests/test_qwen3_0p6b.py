@@ -24,4 +24,4 @@ def test_qwen3_0p6b_recipe_runs_within_the_plan(tmp_path):
     for host in result["hosts_measured"]:
         assert host["leaves_compared"] == 2 + 28 * 11  # embedding, final norm; 11 per layer
         assert host["engine_vs_trainer_max_abs"] == 0.0
-        assert abs(host["error_rss"]) <= 0.25, host
+        assert abs(host["error_steady"]) <= 0.25, host

@@ -5,10 +5,10 @@
 
 Plans the run (`tunix_mcjax.plan`, with this machine's RAM as the trainer assumes on CPU),
 launches it with `bench.memory_worker` on every host, and appends one JSON line: the plan's
-per-host peak and phases, each host's peak RSS and its RSS before the run was built (imports
-and JAX alone), the step-time summary, and the engine-vs-trainer weight check. The error is
-`(measured - planned) / planned`, with measured either the whole RSS peak or the peak above that
-baseline (what the run itself allocated).
+per-host peak and phases, each host's peak RSS over the steps after the first (what the plan
+covers), over the whole run (step 0 adds XLA's compiles, which run in host memory) and before
+the run was built (imports and JAX alone), the step-time summary, and the engine-vs-trainer
+weight check. Errors are `(measured - planned) / planned`.
 """
 
 from __future__ import annotations
@@ -48,8 +48,11 @@ def measure(name: str, recipe: str, overrides: list[str], hosts: int, devices: i
                  "rows_per_device": p.layout.rows_per_device},
         "hosts_measured": [
             {"host": r["host"], "peak_rss": r["peak_rss"], "baseline_rss": r["baseline_rss"],
+             "steady_peak_rss": r["steady_peak_rss"], "step_peak_rss": r["step_peak_rss"],
              "error_rss": (r["peak_rss"] - planned) / planned,
-             "error_above_baseline": (r["peak_rss"] - r["baseline_rss"] - planned) / planned,
+             "error_steady": (r["steady_peak_rss"] - planned) / planned,
+             "error_steady_above_baseline":
+                 (r["steady_peak_rss"] - r["baseline_rss"] - planned) / planned,
              "engine_vs_trainer_max_abs": r["engine_vs_trainer_max_abs"],
              "leaves_compared": r["leaves_compared"]}
             for r in per_host],
@@ -64,9 +67,9 @@ def _git_head() -> str:
 
 def line(r: dict) -> str:
     hosts = ", ".join(
-        f"host {h['host']} {h['peak_rss'] / GIB:.2f} GiB ({h['error_rss']:+.0%}; above baseline "
-        f"{(h['peak_rss'] - h['baseline_rss']) / GIB:.2f}, {h['error_above_baseline']:+.0%})"
-        for h in r["hosts_measured"])
+        f"host {h['host']} steady steps {h['steady_peak_rss'] / GIB:.2f} GiB "
+        f"({h['error_steady']:+.0%}), whole run {h['peak_rss'] / GIB:.2f} GiB "
+        f"({h['error_rss']:+.0%})" for h in r["hosts_measured"])
     return f"{r['name']}: planned {r['plan']['peak_per_host'] / GIB:.2f} GiB per host; {hosts}"
 
 

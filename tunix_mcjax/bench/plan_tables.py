@@ -62,6 +62,9 @@ def main() -> None:
     print(HEADER.format(first="profile"))
     for name in ("gsm8k", "numina", "swe"):
         print(f"| {name} | " + " | ".join(row(profile_config(name), v7x(8))) + " |")
+    for name in ("numina", "swe"):
+        cells = row(profile_config(name, rollout_max_batch_size=32), v7x(8))
+        print(f"| {name}, rollout_max_batch_size=32 | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":
