@@ -104,6 +104,26 @@ def test_blockwise_attention_memory_is_below_the_dense_scores():
     assert temp_bytes(blockwise, q, k, v) < dense_scores / 2
 
 
+def test_remat_keeps_gradients_and_drops_activation_memory():
+    cfg = load_config(DEMO, ["base_num_decoder_layers=4"])
+    model = models.create_model(models.model_config(cfg, 40), 0)
+    policy, params = qwen3_policy(model)
+    b, t = 2, 256
+    tokens = jax.random.randint(jax.random.key(4), (b, t), 0, 40)
+    positions = jnp.broadcast_to(jnp.arange(t), (b, t))
+    seg = jnp.ones((b, t), jnp.int32)
+
+    def grads(remat):
+        def loss(params):
+            m = nnx.merge(policy.graphdef, params)
+            return jnp.sum(policy.hidden(m, tokens, positions, seg, remat=remat) ** 2)
+        return jax.grad(loss)
+
+    jax.tree.map(lambda a, w: np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-6),
+                 grads(True)(params), grads(False)(params))
+    assert temp_bytes(grads(True), params) < temp_bytes(grads(False), params) / 2
+
+
 # --- chunked logprobs --------------------------------------------------------------------------
 
 def logps_problem(b=3, t=37, d=16, vocab=50):
@@ -168,6 +188,13 @@ def test_gather_params_once_choice(setting, count, devices, hbm, want):
                                      num_devices=devices, device_memory_bytes=hbm) is want
 
 
+def test_device_memory_bytes():
+    accelerator = types.SimpleNamespace(memory_stats=lambda: {"bytes_limit": 95 * GIB})
+    cpu = types.SimpleNamespace(memory_stats=lambda: None)
+    assert memory.device_memory_bytes(accelerator, 4) == 95 * GIB
+    assert 0 < memory.device_memory_bytes(cpu, 4) * 4 <= memory.device_memory_bytes(cpu, 1)
+
+
 def test_micro_batch_layout():
     assert memory.num_micro_batches(8, -1) == memory.num_micro_batches(8, 8) == 1
     assert memory.num_micro_batches(8, 2) == 4
@@ -183,6 +210,7 @@ def test_micro_batch_layout():
     ("train_micro_batch_size=32", "must divide batch_size=16"),
     ("train_logits_chunk_tokens=-1", "train_logits_chunk_tokens must be >= 0"),
     ("fsdp_gather_params_once=maybe", "is not one of auto, true, false"),
+    ("remat_policy=minimal", "is not one of none, full"),
 ])
 def test_bad_memory_keys_are_refused(override, match):
     with pytest.raises(ConfigError, match=match):

@@ -103,6 +103,9 @@ class Config:
     # Tokens per device whose fp32 logits exist at once when scoring (sequence chunks, recomputed
     # in the backward); 0: all logits at once.
     train_logits_chunk_tokens: int = 2048
+    # MaxText's name: "full" keeps only each decoder layer's input for the backward and
+    # recomputes the layer (less activation memory, ~1/3 more compute); "none" keeps all.
+    remat_policy: str = "none"
     # --- end trainer memory ---
 
     # GRPO loss (MaxText names; Tunix semantics).
@@ -176,6 +179,7 @@ _CHOICES = {
     "weight_dtype": ("float32", "bfloat16"),
     "rollout_weight_dtype": ("", "float32", "bfloat16"),
     "fsdp_gather_params_once": ("auto", "true", "false"),
+    "remat_policy": ("none", "full"),
 }
 # String keys that also take a YAML boolean (true/false), read as "true"/"false".
 _BOOL_OR_CHOICE = ("fsdp_gather_params_once",)

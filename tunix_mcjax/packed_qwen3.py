@@ -31,17 +31,23 @@ def _rows_sharded(x: jax.Array) -> jax.Array:
 
 
 def hidden_states(cfg: ModelConfig, params: Params, tokens: jax.Array, positions: jax.Array,
-                  segment_ids: jax.Array, *, key_block: int = KEY_BLOCK) -> jax.Array:
-    """Final-normed hidden states [B, T, D]; attention stays inside each row's segments."""
+                  segment_ids: jax.Array, *, key_block: int = KEY_BLOCK,
+                  remat: bool = False) -> jax.Array:
+    """Final-normed hidden states [B, T, D]; attention stays inside each row's segments.
+    With `remat`, the backward keeps only each layer's input and recomputes the layer."""
 
     def attend(q, k, v):
         return segment_attention(q, k, v, segment_ids, key_block), None
 
+    def layer(lp, x):
+        return _rows_sharded(_layer(cfg, lp, x, positions, attend)[0])
+
+    if remat:
+        layer = jax.checkpoint(layer)
     x = _rows_sharded(_embed(cfg, params, tokens))
     layers = params["layers"]
     for i in range(cfg.num_layers):
-        x, _ = _layer(cfg, layers[i] if i in layers else layers[str(i)], x, positions, attend)
-        x = _rows_sharded(x)
+        x = layer(layers[i] if i in layers else layers[str(i)], x)
     return rms_norm(x, params["final_norm"]["w"], cfg.norm_eps, cfg.dtype)
 
 

@@ -39,8 +39,9 @@ BATCH_KEYS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "adv
 
 # (model, tokens [B,T], positions [B,T], segment_ids [B,T]) -> logits [B,T,V] (fp32)
 ForwardFn = Callable[[nnx.Module, jax.Array, jax.Array, jax.Array], jax.Array]
-# The same, up to final-normed hidden states [B,T,D]; and (model, hidden [...,D]) -> fp32 logits.
-HiddenFn = Callable[[nnx.Module, jax.Array, jax.Array, jax.Array], jax.Array]
+# The same, up to final-normed hidden states [B,T,D] (keyword `remat`: recompute each layer in
+# the backward); and (model, hidden [...,D]) -> fp32 logits.
+HiddenFn = Callable[..., jax.Array]
 UnembedFn = Callable[[nnx.Module, jax.Array], jax.Array]
 
 
@@ -70,8 +71,9 @@ def _tree(model: nnx.Module) -> dict:
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
 
 
-def _qwen3_hidden(model, tokens, positions, segment_ids):
-    return packed_qwen3.hidden_states(model.config, _tree(model), tokens, positions, segment_ids)
+def _qwen3_hidden(model, tokens, positions, segment_ids, *, remat: bool = False):
+    return packed_qwen3.hidden_states(model.config, _tree(model), tokens, positions, segment_ids,
+                                      remat=remat)
 
 
 def _qwen3_unembed(model, hidden):
@@ -116,9 +118,12 @@ class Trainer:
         if off_policy and cfg.loss_algo != "grpo":
             raise ValueError(f"loss_algo={cfg.loss_algo} is only implemented on-policy (old logps "
                              "= stop_gradient(current)), where it equals grpo")
-        if cfg.train_logits_chunk_tokens and policy.hidden is None:
-            raise ValueError(f"train_logits_chunk_tokens={cfg.train_logits_chunk_tokens}: this "
-                             "policy computes whole logits only; set train_logits_chunk_tokens=0")
+        if policy.hidden is None and (cfg.train_logits_chunk_tokens
+                                      or cfg.remat_policy != "none"):
+            raise ValueError(
+                f"train_logits_chunk_tokens={cfg.train_logits_chunk_tokens}, remat_policy="
+                f"{cfg.remat_policy}: this policy computes whole logits with its own model; set "
+                "train_logits_chunk_tokens=0 and remat_policy=none (its model's remat applies)")
         self.cfg, self.policy, self.mesh = cfg, policy, mesh
         self.tx = tx or make_optimizer(cfg)
         self.params = params
@@ -158,7 +163,7 @@ class Trainer:
         if policy.hidden is None:
             return token_logps(policy.forward(model, *args), batch["targets"], temperature)
         return chunked_token_logps(
-            policy.hidden(model, *args), batch["targets"],
+            policy.hidden(model, *args, remat=cfg.remat_policy == "full"), batch["targets"],
             functools.partial(policy.unembed, model), temperature,
             chunk_tokens=cfg.train_logits_chunk_tokens,
             rows_per_device=batch["tokens"].shape[0] // self.mesh.shape["fsdp"])

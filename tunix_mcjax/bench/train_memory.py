@@ -37,6 +37,8 @@ LAYOUTS = [
     (2, 4, 2048, []),
     (2, 4, 2048, ["batch_size=4", "train_micro_batch_size=1"]),
     (4, 2, 2048, []),
+    (2, 2, 2048, ["remat_policy=full"]),
+    (4, 2, 2048, ["remat_policy=full"]),
 ]
 
 
@@ -63,6 +65,7 @@ def measure(layers: int, rows: int, row_len: int, extra: list[str]) -> dict:
             "layers": layers, "rows_per_device": rows, "row_len": row_len,
             "micro_batches": n, "rows_per_micro_batch": per,
             "train_logits_chunk_tokens": cfg.train_logits_chunk_tokens,
+            "remat_policy": cfg.remat_policy,
             "param_count": int(sum(x.size for x in jax.tree.leaves(params))),
             "argument_bytes": mem.argument_size_in_bytes,
             "output_bytes": mem.output_size_in_bytes, "temp_bytes": mem.temp_size_in_bytes,

@@ -278,7 +278,8 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str) -> Config:
         "max_prefill_predict_length": config.max_prefill_predict_length,
         "max_target_length": config.max_target_length,
         "train_micro_batch_size": config.train_micro_batch_size,
-        # MaxText's model returns whole logits (its vocab tiling is off under train_rl).
+        # MaxText's model returns whole logits (its vocab tiling is off under train_rl) and
+        # applies MaxText's own remat_policy.
         "train_logits_chunk_tokens": 0,
         "decode_sampling_temperature": config.decode_sampling_temperature,
         "decode_sampling_top_k": max(config.decode_sampling_top_k, 0),
