@@ -73,6 +73,8 @@ def test_accumulation_splits_the_rows_and_their_activations():
     assert split.items["activations"] * 2 == whole.items["activations"]
     assert split.activations["one batch, no remat"] == whole.items["activations"]
     assert split.activations["micro-batch, remat"] < split.items["activations"] / 10
+    remat = plan.plan(cfg.replace(train_micro_batch_size=1, remat_policy="full"), cluster, mc)
+    assert remat.items["activations"] == split.activations["micro-batch, remat"]
 
 
 def _train_step_temp_bytes(overrides: list[str], rows: int) -> int:

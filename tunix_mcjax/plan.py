@@ -111,8 +111,9 @@ LOGITS_SCRATCH = 9  # bytes per scored token per vocab entry: fp32 logits and th
 
 def activation_bytes_per_token(m: ModelShape, compute_bytes: int, row_len: int,
                                remat: bool) -> int:
-    """Bytes one token leaves saved for the backward, over all layers. With remat (a decoder
-    layer recomputed in its backward) only each layer's input stays, plus one layer's worth."""
+    """Bytes one token leaves saved for the backward, over all layers. With remat
+    (`remat_policy=full`: a decoder layer recomputed in its backward) only each layer's input
+    stays, plus one layer's worth while it is recomputed (not fitted; from the shapes)."""
     widths = {"embed": m.embed, "mlp": m.mlp, "q_width": m.q_width, "kv_width": m.kv_width}
     coefficients = dict(SAVED_PER_UNIT)
     if row_len <= KEY_BLOCK:
@@ -224,7 +225,8 @@ def plan(cfg: Config, cluster: Cluster, mc) -> Plan:
         "gradients": sharded * (2 if accumulating else 1),
         "gathered params + grads": 2 * replica * w,
         "reference params": sharded if cfg.grpo_beta else 0,
-        "activations": tokens * activation_bytes_per_token(m, c, row_len, remat=False),
+        "activations": tokens * activation_bytes_per_token(m, c, row_len,
+                                                           remat=cfg.remat_policy == "full"),
         "logits": logits_bytes(m, tokens, cfg.train_logits_chunk_tokens),
         **engine_items(cfg, cluster, m),
     }
@@ -270,7 +272,8 @@ def table(p: Plan) -> str:
         f"{'gathered once' if lay.gather_once else 'sharded through compute'} "
         f"(fsdp_gather_params_once={cfg.fsdp_gather_params_once})",
         f"train: {lay.rows_per_device} rows x {cfg.max_target_length} tokens per device, "
-        f"{lay.micro_batches} micro-batch(es) of {lay.micro_rows} rows",
+        f"{lay.micro_batches} micro-batch(es) of {lay.micro_rows} rows, "
+        f"remat_policy={cfg.remat_policy}",
         "",
         f"{'per device':<28}{'GiB':>8}",
     ]
