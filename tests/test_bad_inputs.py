@@ -300,7 +300,7 @@ for dp, tp in ((-1, 1), (1, 1), (3, 1), (1, 2), (-1, 2)):
     cfg = load_config("recipes/cpu/demo.yml", [f"rollout_data_parallelism={dp}",
                                                f"rollout_tensor_parallelism={tp}"])
     engine = default_engine(cfg, models.model_config(cfg, 99, for_sampling=True),
-                            jax.devices(), 0, 2)
+                            jax.devices(), 0, (2,))
     print(dp, tp, engine.num_replicas, flush=True)
 """
 

@@ -82,7 +82,7 @@ def eos_id(greedy_reference):
 
 def make_engine(mc, model, devices, eos, **kwargs):
     engine = JaxEngine(
-        mc, devices, pad_id=PAD, eos_id=eos, max_prompt_length=16, max_new_tokens=MAX_NEW,
+        mc, devices, pad_id=PAD, eos_ids=(eos,), max_prompt_length=16, max_new_tokens=MAX_NEW,
         **kwargs,
     )  # fmt: skip
     engine.load_weights(params_of(model))
@@ -163,16 +163,16 @@ def test_sampler_draws_from_the_distribution():
     logits = jnp.log(jnp.asarray(probs))[None].repeat(20_000, axis=0)
     keys = jax.random.split(jax.random.PRNGKey(0), 20_000)
     spec = SamplerSpec(greedy=False, top_k=0, top_p=False)
-    tokens, logprobs = sample(spec, logits, keys, jnp.float32(1.0), jnp.float32(1.0), pad_id=4)
+    tokens, logprobs = sample(spec, logits, keys, jnp.float32(1.0), jnp.float32(1.0), masked_id=4)
     freq = np.bincount(np.asarray(tokens), minlength=5) / 20_000
     np.testing.assert_allclose(freq, probs, atol=0.015)
     np.testing.assert_allclose(np.asarray(logprobs), np.log(probs[np.asarray(tokens)]), atol=1e-6)
     top2 = SamplerSpec(greedy=False, top_k=2, top_p=False)
-    tokens, _ = sample(top2, logits, keys, jnp.float32(1.0), jnp.float32(1.0), pad_id=4)
+    tokens, _ = sample(top2, logits, keys, jnp.float32(1.0), jnp.float32(1.0), masked_id=4)
     freq = np.bincount(np.asarray(tokens), minlength=5) / 20_000
     np.testing.assert_allclose(freq, [0.625, 0, 0, 0.375, 0], atol=0.015)
     nucleus = SamplerSpec(greedy=False, top_k=0, top_p=True)
-    tokens, _ = sample(nucleus, logits, keys, jnp.float32(1.0), jnp.float32(0.6), pad_id=4)
+    tokens, _ = sample(nucleus, logits, keys, jnp.float32(1.0), jnp.float32(0.6), masked_id=4)
     freq = np.bincount(np.asarray(tokens), minlength=5) / 20_000
     np.testing.assert_allclose(freq, [0.625, 0, 0, 0.375, 0], atol=0.015)
 
@@ -259,7 +259,7 @@ def test_lockstep_and_tensor_parallel_waves_match_one_replica(engine, model_conf
 
 def test_clear_errors(model_config, model, eos_id):
     fresh = JaxEngine(
-        model_config, jax.devices()[:1], pad_id=PAD, eos_id=eos_id, max_prompt_length=4,
+        model_config, jax.devices()[:1], pad_id=PAD, eos_ids=(eos_id,), max_prompt_length=4,
         max_new_tokens=MAX_NEW,
     )  # fmt: skip
     with pytest.raises(ValueError, match="load_weights"):
@@ -281,7 +281,7 @@ def test_clear_errors(model_config, model, eos_id):
         fresh.generate([[1, 2]], SamplingParams(max_new_tokens=MAX_NEW + 1), seed=0)
     with pytest.raises(ValueError, match="tensor_parallelism"):
         JaxEngine(
-            model_config, jax.devices()[:1], pad_id=PAD, eos_id=eos_id, max_prompt_length=4,
+            model_config, jax.devices()[:1], pad_id=PAD, eos_ids=(eos_id,), max_prompt_length=4,
             max_new_tokens=MAX_NEW, tensor_parallelism=3,
         )  # fmt: skip
     assert fresh.compile_count == 0

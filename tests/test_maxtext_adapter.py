@@ -132,7 +132,7 @@ def test_weight_mapping_matches_maxtext_logits(scan_layers, tied):
                                np.asarray(maxtext_logits)[valid], atol=2e-4, rtol=1e-4)
 
     # The engine loads the same tree and decodes it: greedy first token and its logprob.
-    engine = JaxEngine(mc, jax.devices()[:1], pad_id=0, eos_id=511, max_prompt_length=16,
+    engine = JaxEngine(mc, jax.devices()[:1], pad_id=0, eos_ids=(511,), max_prompt_length=16,
                        max_new_tokens=1)
     engine.load_weights(engine_params)
     [out] = engine.generate([tokens[1]], SamplingParams(max_new_tokens=1, greedy=True), seed=0)

@@ -88,7 +88,7 @@ def _engine_weights(single_call: bool):
     mesh = topology.trainer_mesh(topo)
     params = nnx.to_pure_dict(nnx.state(models.create_model(mc, 0, mesh), nnx.Param))
     engine = JaxEngine(models.model_config(cfg, 40, for_sampling=True), topo.local_devices,
-                       pad_id=0, eos_id=2, max_prompt_length=4, max_new_tokens=2)
+                       pad_id=0, eos_ids=(2,), max_prompt_length=4, max_new_tokens=2)
     publisher = Publisher(mesh, single_call=single_call)
     publisher.publish(params, engine)
     weights = {k: np.asarray(v) for k, v in engine._params[0].items()}

@@ -76,6 +76,12 @@ class Config:
     rollout_continuous_batching: bool = True
     rollout_max_batch_size: int = 64  # rows one replica decodes at once
 
+    # --- Real shapes (engine/stops.py, plan.py) ---
+    # The engine's weight dtype: float32 | bfloat16; empty: weight_dtype. bf16 halves the
+    # engine's copy of the weights (python -m tunix_mcjax.plan shows what it saves).
+    rollout_weight_dtype: str = ""
+    # --- end real shapes ---
+
     # Optimizer (MaxText names).
     learning_rate: float = 3e-3
     warmup_steps_fraction: float = 0.0
@@ -210,6 +216,7 @@ _CHOICES = {
     "rl_runtime": ("mcjax", "single"),
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
+    "rollout_weight_dtype": ("", "float32", "bfloat16"),
     "fsdp_gather_params_once": ("auto", "true", "false"),
     "remat_policy": ("none", "full"),
 }

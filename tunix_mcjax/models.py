@@ -24,9 +24,12 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
 def model_config(cfg: Config, vocab_size: int, *, for_sampling: bool = False) -> qwen3.ModelConfig:
-    """The Tunix ModelConfig for `cfg.model_name` (`qwen3-tiny` reads the `base_*` keys)."""
+    """The Tunix ModelConfig for `cfg.model_name` (`qwen3-tiny` reads the `base_*` keys); the
+    engine's (`for_sampling`) holds its weights in `rollout_weight_dtype`."""
     sharding = qwen3.ShardingConfig.get_default_sharding(is_sampling=for_sampling)
-    dtypes = {"dtype": DTYPES[cfg.dtype], "param_dtype": DTYPES[cfg.weight_dtype]}
+    weights = cfg.rollout_weight_dtype if for_sampling and cfg.rollout_weight_dtype else \
+        cfg.weight_dtype
+    dtypes = {"dtype": DTYPES[cfg.dtype], "param_dtype": DTYPES[weights]}
     if cfg.model_name == "qwen3-tiny":
         return qwen3.ModelConfig(
             num_layers=cfg.base_num_decoder_layers,
@@ -83,11 +86,14 @@ def create_model(mc: qwen3.ModelConfig, seed: int, mesh: jax.sharding.Mesh | Non
 
 
 def load_model(mc: qwen3.ModelConfig, path: str, mesh: jax.sharding.Mesh | None = None):
-    """Qwen3 from a local Hugging Face safetensors directory (Tunix's loader), sharded on mesh."""
+    """Qwen3 from a local Hugging Face safetensors directory (Tunix's loader), sharded on mesh.
+
+    Tensors are cast to the config's param dtype: Tunix keeps the file's dtype otherwise, so a
+    bf16 checkpoint (as Qwen3 ships) would train in bf16 under `weight_dtype=float32`."""
     if not Path(path).is_dir() or not any(Path(path).glob("*.safetensors")):
         raise ConfigError(f"load_parameters_path={path!r} is not a directory with *.safetensors "
                           "files (a Hugging Face Qwen3 checkpoint)")
-    return qwen3_params.create_model_from_safe_tensors(path, mc, mesh=mesh)
+    return qwen3_params.create_model_from_safe_tensors(path, mc, mesh=mesh, dtype=mc.param_dtype)
 
 
 def build_model(cfg: Config, mc: qwen3.ModelConfig, mesh: jax.sharding.Mesh | None = None):

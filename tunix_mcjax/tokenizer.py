@@ -32,10 +32,14 @@ def unknown_characters(tokenizer, text: str) -> str:
 
 
 def load_tokenizer(tokenizer_type: str, tokenizer_path: str = ""):
+    """`tokenizer_path` is a local HF tokenizer dir, or the name of one shipped in MaxText's wheel
+    (`qwen3-tokenizer`), as MaxText's own `tokenizer_path` takes it."""
     if tokenizer_type == "char":
         return char_tokenizer()
+    from tunix_mcjax.maxtext.data import resolve_tokenizer_path
+
     try:
-        return AutoTokenizer.from_pretrained(tokenizer_path)
+        return AutoTokenizer.from_pretrained(resolve_tokenizer_path(tokenizer_path))
     except (OSError, ValueError) as e:
         raise ConfigError(f"tokenizer_path={tokenizer_path!r} does not load as a Hugging Face "
                           f"tokenizer ({e}). Point it at a local directory holding "

@@ -139,7 +139,7 @@ def engine_arm(
 ) -> tuple[Measure, dict]:
     """A warmed-up JaxEngine decoding at most `batch` rows at once (CB or waves)."""
     engine = JaxEngine(
-        MODEL, jax.devices()[:1], pad_id=PAD_ID, eos_id=EOS_ID,
+        MODEL, jax.devices()[:1], pad_id=PAD_ID, eos_ids=(EOS_ID,),
         max_prompt_length=pow2_at_least(profile.prompt_lengths[1]),
         max_new_tokens=profile.max_new_tokens, continuous_batching=continuous,
         max_batch_size=batch,

@@ -76,10 +76,11 @@ def build_program(
     cfg: ModelConfig,
     shape: ProgramShape,
     spec: SamplerSpec,
-    pad_id: int,
+    masked_id: int | None,
     mesh: jax.sharding.Mesh,
 ) -> Callable[[Any, Inputs], Outputs]:
-    """The pure function `(params, inputs) -> outputs` for one shape; jit it over `mesh`."""
+    """The pure function `(params, inputs) -> outputs` for one shape; jit it over `mesh`.
+    `masked_id` is never sampled (pad, unless pad is a stop id; None: nothing masked)."""
     n, b = shape.num_requests, shape.num_slots
     continuous = n > b
     cache_sharding = NamedSharding(mesh, P("data", "tp", None, None))
@@ -90,7 +91,7 @@ def build_program(
 
     def draw(logits, inp, requests, counts):
         keys = jax.vmap(key_for, in_axes=(None, 0, 0))(inp, requests, counts)
-        return sample(spec, logits, keys, inp.temperature, inp.top_p, pad_id)
+        return sample(spec, logits, keys, inp.temperature, inp.top_p, masked_id)
 
     def ends(inp: Inputs, tokens: jax.Array, counts: jax.Array) -> jax.Array:
         stops = jnp.any(tokens[:, None] == inp.stop_ids[None, :], axis=-1)

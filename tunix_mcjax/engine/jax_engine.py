@@ -115,7 +115,9 @@ def _leaf_specs(cfg: qwen3.ModelConfig, tp: int) -> dict[LeafPath, _LeafSpec]:
 class JaxEngine(Engine):
     """Per-host rollout engine on `devices` (this host's local devices).
 
-    `max_batch_size` caps the rows one replica decodes at once (rounded up to a power of two):
+    `eos_ids` are the model's end-of-sequence ids (`engine.stops.model_stop_ids`); each ends a
+    sequence unless `ignore_eos`. `max_batch_size` caps the rows one replica decodes at once
+    (rounded up to a power of two):
     with continuous batching a larger share streams through that many rows; without it the
     share runs in waves. `lockstep` decodes the whole batch at once and ignores it.
     `data_parallelism` replicas use the first data_parallelism x tensor_parallelism devices.
@@ -127,7 +129,7 @@ class JaxEngine(Engine):
         devices: Sequence[jax.Device],
         *,
         pad_id: int,
-        eos_id: int,
+        eos_ids: Sequence[int],
         max_prompt_length: int,
         max_new_tokens: int,
         tensor_parallelism: int = 1,
@@ -156,7 +158,9 @@ class JaxEngine(Engine):
             raise ValueError("max_prompt_length, max_new_tokens and max_batch_size must be >= 1")
         self.model_config = model_config
         self.pad_id = pad_id
-        self.eos_id = eos_id
+        self.eos_ids = tuple(dict.fromkeys(int(i) for i in eos_ids))
+        # Pad is sampled only when it is one of the model's EOS ids (Qwen3's <|endoftext|>).
+        self.masked_id = None if pad_id in self.eos_ids else pad_id
         self.max_prompt_length = max_prompt_length
         self.max_new_tokens = max_new_tokens
         self.continuous_batching = continuous_batching
@@ -220,6 +224,10 @@ class JaxEngine(Engine):
                 "addressable); reshard it to replicated first"
             )
         return jax.device_put(source.astype(spec.dtype), sharding)
+
+    def weights(self, replica: int = 0) -> dict[str, Any]:
+        """The param tree replica `replica` decodes with (a nested dict of jax Arrays)."""
+        return unflatten_tree(self._params[replica])
 
     def _missing_params(self) -> list[str]:
         return ["/".join(p) for p in self._leaf_specs if p not in self._params[0]]
@@ -290,7 +298,7 @@ class JaxEngine(Engine):
             raise ValueError("temperature must be > 0 unless greedy=True")
         if sampling.top_k < 0 or not 0 < sampling.top_p <= 1:
             raise ValueError("top_k must be >= 0 and top_p in (0, 1]")
-        stops = len(sampling.stop_token_ids) + (not sampling.ignore_eos)
+        stops = len(self._stop_ids(sampling))
         if stops > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop tokens (eos included) are supported")
         missing = self._missing_params()
@@ -321,7 +329,7 @@ class JaxEngine(Engine):
             size = self.max_batch_size
             batches = [request_ids[i : i + size] for i in range(0, len(request_ids), size)]
         stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
-        stops = list(sampling.stop_token_ids) + ([] if sampling.ignore_eos else [self.eos_id])
+        stops = self._stop_ids(sampling)
         stop_ids[: len(stops)] = stops
         pending, first = [], 0
         for batch in batches:
@@ -356,7 +364,8 @@ class JaxEngine(Engine):
         """The compiled program for (replica, shape, sampler), compiling it on first use."""
         cache_key = (mesh_index, shape, spec)
         if cache_key not in self._programs:
-            fn = build_program(self.model_config, shape, spec, self.pad_id, self.meshes[mesh_index])
+            fn = build_program(self.model_config, shape, spec, self.masked_id,
+                               self.meshes[mesh_index])
             self._programs[cache_key] = jax.jit(fn).lower(params, inputs).compile()
         return self._programs[cache_key]
 
@@ -380,9 +389,13 @@ class JaxEngine(Engine):
                 )
         return results  # type: ignore[return-value]
 
+    def _stop_ids(self, sampling: SamplingParams) -> list[int]:
+        eos = [] if sampling.ignore_eos else list(self.eos_ids)
+        return list(dict.fromkeys([*sampling.stop_token_ids, *eos]))
+
     def _finish_reason(self, tokens: np.ndarray, sampling: SamplingParams) -> FinishReason:
         last = int(tokens[-1])
-        if last == self.eos_id and not sampling.ignore_eos:
+        if last in self.eos_ids and not sampling.ignore_eos:
             return "eos"
         if last in sampling.stop_token_ids:
             return "stop"

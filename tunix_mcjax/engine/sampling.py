@@ -1,7 +1,10 @@
-"""Token sampling on device: greedy, temperature, top-k, top-p; pad is never sampled.
+"""Token sampling on device: greedy, temperature, top-k, top-p, with one id masked out.
+
+The masked id is pad when pad is not a stop id (a char tokenizer's `<pad>`); when pad is one of
+the model's EOS ids (Qwen3's `<|endoftext|>`) nothing is masked, so a base model can stop.
 
 Logprobs are of the sampled token under the model's full distribution at the sampling
-temperature, `log_softmax(logits / T)`, taken before pad masking and top-k/top-p truncation
+temperature, `log_softmax(logits / T)`, taken before masking and top-k/top-p truncation
 (greedy uses T=1). That is what a trainer recomputes from the same logits, so importance ratios
 start at exactly 1 for an unchanged policy.
 
@@ -55,15 +58,20 @@ def sample(
     keys: jax.Array,
     temperature: jax.Array,
     top_p: jax.Array,
-    pad_id: int,
+    masked_id: int | None,
 ) -> tuple[jax.Array, jax.Array]:
-    """logits [B, V] fp32, keys [B] -> (tokens [B] int32, logprobs [B] fp32)."""
+    """logits [B, V] fp32, keys [B] -> (tokens [B] int32, logprobs [B] fp32). `masked_id`
+    (None: none) is never sampled."""
+
+    def masked(x: jax.Array) -> jax.Array:
+        return x if masked_id is None else x.at[:, masked_id].set(-jnp.inf)
+
     if spec.greedy:
         scaled = logits
-        tokens = jnp.argmax(logits.at[:, pad_id].set(-jnp.inf), axis=-1)
+        tokens = jnp.argmax(masked(logits), axis=-1)
     else:
         scaled = logits / temperature
-        candidates = scaled.at[:, pad_id].set(-jnp.inf)
+        candidates = masked(scaled)
         if spec.top_k:
             candidates, vocab_ids = jax.lax.top_k(candidates, spec.top_k)
         elif spec.top_p:

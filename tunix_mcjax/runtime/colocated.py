@@ -22,7 +22,7 @@ import numpy as np
 
 from tunix_mcjax import admission, metrics, models, rewards, topology
 from tunix_mcjax.config import Config, ConfigError
-from tunix_mcjax.engine import Completion, Engine
+from tunix_mcjax.engine import Completion, Engine, stops
 from tunix_mcjax.publish import Publisher
 from tunix_mcjax.runtime import phases
 from tunix_mcjax.runtime.phases import default_engine
@@ -86,12 +86,13 @@ class ColocatedRuntime:
                                    tx=parts.optimizer)
         self.tokenizer, self.mesh = tokenizer, parts.mesh
         self.pad_id = self.tokenizer.pad_token_id
-        self.eos_id = self.tokenizer.eos_token_id
+        self.eos_ids = stops.model_stop_ids(self.tokenizer, (cfg.load_parameters_path,
+                                                             cfg.tokenizer_path))
         self.prompt_lengths = np.array([len(t) for t in self.prompt_tokens])
         self.output_len_sum = np.zeros(len(self.prompt_tokens))  # for O3's expected output
         self.output_len_count = np.zeros(len(self.prompt_tokens))
         self.engine = engine_factory(cfg, parts.engine_model_config, list(topo.local_devices),
-                                     self.pad_id, self.eos_id)
+                                     self.pad_id, self.eos_ids)
         self.publisher = Publisher(self.mesh, cfg.rl_publish_weights_single_call)
         self.sampling = phases.sampling_params(cfg)
         self.state = RunState(cfg, self.watchdog, topo.is_leader)
@@ -161,9 +162,9 @@ class ColocatedRuntime:
     def score(self, local_idx: np.ndarray, completions: list[Completion]):
         g = self.cfg.num_generations
         expanded = [i for i in local_idx for _ in range(g)]
-        stop = {self.eos_id, *self.sampling.stop_token_ids}
+        # A completion that stopped ends with its stop token; only that one is dropped.
         texts = self.tokenizer.batch_decode(
-            [[t for t in c.tokens if t not in stop] for c in completions],
+            [c.tokens[:-1] if c.finish_reason != "length" else c.tokens for c in completions],
             skip_special_tokens=True)
         prompts = [self.task.prompts[i] for i in expanded]
         fields = {k: [v[i] for i in expanded] for k, v in self.task.fields.items()}

@@ -87,11 +87,12 @@ def filter_task(task: Task, tokenizer, cfg: Config, host: int) -> tuple[Task, li
                                fields=fields), tokens
 
 
-def default_engine(cfg: Config, model_config, devices, pad_id: int, eos_id: int) -> Engine:
+def default_engine(cfg: Config, model_config, devices, pad_id: int,
+                   eos_ids: tuple[int, ...]) -> Engine:
     from tunix_mcjax.engine.jax_engine import JaxEngine
 
     return JaxEngine(
-        model_config, devices, pad_id=pad_id, eos_id=eos_id,
+        model_config, devices, pad_id=pad_id, eos_ids=eos_ids,
         max_prompt_length=cfg.max_prefill_predict_length,
         max_new_tokens=cfg.max_completion_length,
         tensor_parallelism=cfg.rollout_tensor_parallelism,
