@@ -17,7 +17,7 @@ import pytest
 from flax import nnx
 from safetensors.numpy import save_file
 
-from tests.test_models import _flat, hf_state_dict
+from tests.test_models import _flat
 from tunix_mcjax import models, topology
 from tunix_mcjax.config import load_config
 from tunix_mcjax.engine.base import SamplingParams
@@ -84,7 +84,7 @@ def test_twelve_layer_round_trip_restores_every_layer_to_its_own_place(tmp_path)
     written = hf_checkpoint(mc, seed=12)
     write_checkpoint(tmp_path, written)
     _, mc, model = load(tmp_path, TWELVE_LAYERS)
-    restored = hf_state_dict(model, mc)
+    restored = models.hf_state_dict(model, mc)
     assert restored.keys() == written.keys()
     for name in written:
         np.testing.assert_array_equal(restored[name], written[name], err_msg=name)
@@ -104,7 +104,7 @@ def test_real_width_checkpoint_loads_and_decodes(tmp_path, dtype):
     cfg, mc, model = load(tmp_path, overrides)
     flat = _flat(model)
     assert {v.dtype for v in flat.values()} == {np.dtype(np.float32)}
-    restored = hf_state_dict(model, mc)
+    restored = models.hf_state_dict(model, mc)
     for name in written:
         np.testing.assert_array_equal(restored[name], written[name].astype(np.float32),
                                       err_msg=name)
