@@ -80,8 +80,8 @@ def test_accumulation_splits_the_rows_and_their_activations():
 def _train_step_temp_bytes(overrides: list[str], rows: int) -> int:
     """XLA's temporary buffers for the trainer's compiled step (no run)."""
     cfg = load_config(None, overrides)
-    topo = topology.current()
-    mesh = topology.trainer_mesh(topo)
+    device = jax.devices()[0]  # one device, whatever other test modules gave the process
+    mesh = topology.trainer_mesh(topology.Topology(0, 1, (device,), (device,)))
     mc = models.model_config(cfg, cfg.vocab_size)
     trainer = Trainer(cfg, *qwen3_policy(models.create_model(mc, 0, mesh)), mesh)
     t = cfg.max_target_length
