@@ -13,7 +13,8 @@ A step's memory peaks in one of three phases, each on top of the trainer state (
 Adam moments, FSDP-sharded over all devices) and the engine's copy of the weights:
 generate (KV cache, prompt store, prefill), train (gradients, the gathered replica when params
 are gathered once, saved activations and logits scratch) and publish (the
-replicated gather of the new weights).
+replicated gather of the new weights). On CPU, where a device's memory is the host's RAM, the
+host's own costs outside XLA's buffers are added too (`cpu_host_items`).
 """
 
 from __future__ import annotations
