@@ -77,6 +77,25 @@ def test_accumulation_splits_the_rows_and_their_activations():
     assert remat.items["activations"] == split.activations["micro-batch, remat"]
 
 
+def test_cpu_host_costs_count_only_on_cpu():
+    """On CPU each host adds its process baseline (split over its devices) to every phase, and a
+    bf16 run the fp32 copy of the embedding to generate and train; accelerators add neither."""
+    cfg = load_config(RECIPE)
+    mc = plan.model_config_for(cfg)
+    cpu = plan.plan(cfg, plan.Cluster(2, 1, 24 * GIB, cpu=True), mc)
+    tpu = plan.plan(cfg, plan.Cluster(2, 1, 24 * GIB), mc)
+    copy = 4 * 151_936 * 1024
+    assert cpu.items["bf16 matmul fp32 copy"] == copy
+    assert cpu.items["process baseline"] == plan.PROCESS_BASELINE
+    extra = {phase: cpu.phases[phase] - tpu.phases[phase] for phase in cpu.phases}
+    assert extra == {"generate": plan.PROCESS_BASELINE + copy,
+                     "train": plan.PROCESS_BASELINE + copy, "publish": plan.PROCESS_BASELINE}
+    fp32 = plan.plan(cfg.replace(dtype="float32"), plan.Cluster(1, 2, 12 * GIB, cpu=True), mc)
+    assert fp32.items["bf16 matmul fp32 copy"] == 0
+    assert fp32.items["process baseline"] == plan.PROCESS_BASELINE // 2
+    assert tpu.items["process baseline"] == tpu.items["bf16 matmul fp32 copy"] == 0
+
+
 def _train_step_temp_bytes(overrides: list[str], rows: int) -> int:
     """XLA's temporary buffers for the trainer's compiled step (no run)."""
     cfg = load_config(None, overrides)

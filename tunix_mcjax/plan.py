@@ -13,7 +13,8 @@ A step's memory peaks in one of three phases, each on top of the trainer state (
 Adam moments, FSDP-sharded over all devices) and the engine's copy of the weights:
 generate (KV cache, prompt store, prefill), train (gradients, the gathered replica when params
 are gathered once, saved activations and logits scratch) and publish (the
-replicated gather of the new weights).
+replicated gather of the new weights). On CPU, where a device's memory is the host's RAM, the
+host's own costs outside XLA's buffers are added too (`cpu_host_items`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Cluster:
     hosts: int
     devices_per_host: int
     device_bytes: int  # usable memory of one device (on CPU: the host's RAM / local devices)
+    cpu: bool = False  # devices are the host's CPU: the process's own RAM counts against them
 
     @property
     def num_devices(self) -> int:
@@ -107,6 +109,20 @@ SAVED_PER_UNIT = {"embed": (18.1, 1.0), "mlp": (0.7, 4.5), "q_width": (16.7, 2.7
 DENSE_HEADS_X_KEYS = (8.1, 0.9)
 BLOCKWISE_HEADS_X_KEYS = (2.0, 0.0)
 LOGITS_SCRATCH = 9  # bytes per scored token per vocab entry: fp32 logits and their gradient
+
+# On CPU the devices' memory is the host's RAM, so two host costs outside XLA's buffers count.
+# The process baseline: RSS a built runtime holds beyond its live JAX arrays (interpreter,
+# JAX/XLA, Tunix/MaxText, transformers, the Qwen3 tokenizer, compiled executables, allocator).
+# Measured, not derived: 0.92 GiB (Qwen3-0.6B, 2 hosts x 1 device, bf16), 0.93 and 1.08 GiB
+# (8 layers x 512, 1 device, fp32 and bf16), RSS minus this host's live array bytes before the
+# first train step.
+PROCESS_BASELINE = 1 * GIB
+# A bf16 matmul on XLA's CPU backend converts its operands to fp32 in runtime scratch that
+# buffer assignment does not see; the largest is the (tied) vocab x embed matrix in the logits
+# matmuls of generate and train. Measured as the step's RSS rise beyond XLA's temp bytes:
+# 0.31 GiB at 8 x 512 (fp32 copy of the embedding 0.29 GiB; 0.02 GiB for the same run in
+# fp32) and 0.75 GiB at Qwen3-0.6B (0.58 GiB).
+CPU_UPCAST_BYTES = 4
 
 
 def activation_bytes_per_token(m: ModelShape, compute_bytes: int, row_len: int,
@@ -185,6 +201,16 @@ def engine_items(cfg: Config, cluster: Cluster, m: ModelShape) -> dict[str, int]
     }
 
 
+def cpu_host_items(cfg: Config, cluster: Cluster, m: ModelShape) -> dict[str, int]:
+    """Per device, on CPU only: its share of the process baseline, and the fp32 copy a bf16
+    matmul makes of the largest weight (the embedding) outside XLA's buffers."""
+    if not cluster.cpu:
+        return {"process baseline": 0, "bf16 matmul fp32 copy": 0}
+    upcast = CPU_UPCAST_BYTES * m.largest_leaf if cfg.dtype == "bfloat16" else 0
+    return {"process baseline": PROCESS_BASELINE // cluster.devices_per_host,
+            "bf16 matmul fp32 copy": upcast}
+
+
 # --- the plan -----------------------------------------------------------------------------
 
 
@@ -229,11 +255,13 @@ def plan(cfg: Config, cluster: Cluster, mc) -> Plan:
                                                            remat=cfg.remat_policy == "full"),
         "logits": logits_bytes(m, tokens, cfg.train_logits_chunk_tokens),
         **engine_items(cfg, cluster, m),
+        **cpu_host_items(cfg, cluster, m),
     }
-    state = items["params"] + items["optimizer state"] + items["engine weights"]
+    state = items["params"] + items["optimizer state"] + items["engine weights"] \
+        + items["process baseline"]
     train_keys = ("gradients", "gathered params + grads", "reference params", "activations",
-                  "logits")
-    generate_keys = ("KV cache", "prompt store", "prefill scratch")
+                  "logits", "bf16 matmul fp32 copy")
+    generate_keys = ("KV cache", "prompt store", "prefill scratch", "bf16 matmul fp32 copy")
     publish = m.param_count * w if cfg.rl_publish_weights_single_call else m.largest_leaf * w
     phases = {
         "generate": state + sum(items[k] for k in generate_keys),
@@ -325,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     device_bytes = int(args.hbm_gib * GIB) if args.hbm_gib > 0 else \
         host_memory_bytes() // args.devices_per_host
-    cluster = Cluster(args.hosts, args.devices_per_host, device_bytes)
+    cluster = Cluster(args.hosts, args.devices_per_host, device_bytes, cpu=args.hbm_gib <= 0)
     mc = model_config_for(cfg)
     p = plan(cfg, cluster, mc)
     print(table(p))

@@ -29,7 +29,7 @@ GIB = plan.GIB
 
 def measure(name: str, recipe: str, overrides: list[str], hosts: int, devices: int) -> dict:
     cfg = load_config(recipe, overrides)
-    cluster = plan.Cluster(hosts, devices, plan.host_memory_bytes() // devices)
+    cluster = plan.Cluster(hosts, devices, plan.host_memory_bytes() // devices, cpu=True)
     p = plan.plan(cfg, cluster, plan.model_config_for(cfg))
     start = time.perf_counter()
     code = launch(recipe, overrides, hosts, devices, module="tunix_mcjax.bench.memory_worker")
