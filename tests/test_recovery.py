@@ -13,7 +13,9 @@ import pytest
 
 from tests.mp import REPO, TINY, launch, launch_worker, read_jsonl
 
-STEPS = 6
+# Long enough that the agreed preemption step comes before the last one, even on an idle machine
+# (JAX agrees on it a few steps after the notice).
+STEPS = 16
 RUN = [*TINY, "batch_size=2", "num_generations=4", "max_target_length=10",
        "enable_checkpointing=true", "checkpoint_period=2", f"steps={STEPS}"]
 SAME = ("step", "prompt_indices", "loss", "grad_norm", "reward_mean", "tokens_generated")
