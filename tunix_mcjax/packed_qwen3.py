@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from tunix.models.qwen3.model import ModelConfig
 
 from tunix_mcjax.attention import KEY_BLOCK, segment_attention
-from tunix_mcjax.engine.qwen3_forward import _embed, _layer, rms_norm
+from tunix_mcjax.engine.qwen3_forward import decoder_layer, embed_tokens, rms_norm
 
 Params = dict[Any, Any]
 BATCH_AXIS = "fsdp"  # packed rows shard over the trainer mesh's fsdp axis
@@ -40,11 +40,11 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens: jax.Array, positions
         return segment_attention(q, k, v, segment_ids, key_block), None
 
     def layer(lp, x):
-        return _rows_sharded(_layer(cfg, lp, x, positions, attend)[0])
+        return _rows_sharded(decoder_layer(cfg, lp, x, positions, attend)[0])
 
     if remat:
         layer = jax.checkpoint(layer)
-    x = _rows_sharded(_embed(cfg, params, tokens))
+    x = _rows_sharded(embed_tokens(cfg, params, tokens))
     layers = params["layers"]
     for i in range(cfg.num_layers):
         x = layer(layers[i] if i in layers else layers[str(i)], x)

@@ -56,7 +56,7 @@ def _matmul(x: jax.Array, w: jax.Array, spec: str, dtype: Any) -> jax.Array:
     return jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
 
 
-def _layer(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array, attend):
+def decoder_layer(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array, attend):
     """One decoder layer. `attend(q, k, v) -> (attn_out, layer_cache)` owns the cache policy."""
     dt, eps = cfg.dtype, cfg.norm_eps
     a = lp["attn"]
@@ -76,7 +76,8 @@ def _layer(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array, att
     return x, layer_cache
 
 
-def _embed(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+def embed_tokens(cfg: ModelConfig, params: Params, tokens: jax.Array) -> jax.Array:
+    """Token embeddings [..., D] in the compute dtype."""
     return params["embedder"]["input_embedding"][tokens].astype(cfg.dtype)
 
 
@@ -102,10 +103,10 @@ def prefill(
     def attend(q, k, v):
         return attention(q, k, v, causal), (k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))
 
-    x = _embed(cfg, params, tokens)
+    x = embed_tokens(cfg, params, tokens)
     cache = []
     for i in range(cfg.num_layers):
-        x, layer_cache = _layer(cfg, params["layers"][str(i)], x, positions, attend)
+        x, layer_cache = decoder_layer(cfg, params["layers"][str(i)], x, positions, attend)
         cache.append(layer_cache)
     last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
     return _logits(cfg, params, last), cache
@@ -150,7 +151,7 @@ def decode_step(
     cache_len = cache[0][0].shape[-1]
     rows = jnp.arange(b)
     mask = jnp.arange(cache_len)[None, :] <= positions[:, None]
-    x = _embed(cfg, params, tokens[:, None])
+    x = embed_tokens(cfg, params, tokens[:, None])
     new_cache = []
     for i in range(cfg.num_layers):
         k_cache, v_cache = cache[i]
@@ -161,6 +162,6 @@ def decode_step(
             out = decode_attention(q[:, 0], k_cache, v_cache, mask)
             return out[:, None], (k_cache, v_cache)
 
-        x, layer_cache = _layer(cfg, params["layers"][str(i)], x, positions[:, None], attend)
+        x, layer_cache = decoder_layer(cfg, params["layers"][str(i)], x, positions[:, None], attend)
         new_cache.append(layer_cache)
     return _logits(cfg, params, x[:, 0]), new_cache
