@@ -87,8 +87,9 @@ def filter_task(task: Task, tokenizer, cfg: Config, host: int) -> tuple[Task, li
                                fields=fields), tokens
 
 
-def default_engine(cfg: Config, model_config, devices, pad_id: int,
-                   eos_ids: tuple[int, ...]) -> Engine:
+def jax_engine(cfg: Config, model_config, devices, pad_id: int,
+               eos_ids: tuple[int, ...]) -> Engine:
+    """Our decode loop over Tunix Qwen3 (`rollout_engine=jax`)."""
     from tunix_mcjax.engine.jax_engine import JaxEngine
 
     return JaxEngine(
@@ -101,6 +102,16 @@ def default_engine(cfg: Config, model_config, devices, pad_id: int,
         max_batch_size=cfg.rollout_max_batch_size,
         lockstep=cfg.rl_runtime == "single",
     )
+
+
+# `rollout_engine` -> the builder of that engine on this host's devices.
+ENGINES = {"jax": jax_engine}
+
+
+def default_engine(cfg: Config, model_config, devices, pad_id: int,
+                   eos_ids: tuple[int, ...]) -> Engine:
+    """The engine `rollout_engine` names, on this host's `devices` only."""
+    return ENGINES[cfg.rollout_engine](cfg, model_config, devices, pad_id, eos_ids)
 
 
 def pack_local(cfg: Config, prompts: list[np.ndarray], completions: list[Completion],
