@@ -37,6 +37,14 @@ class MaxTextEngine(JaxEngine):
         if kwargs.get("lockstep"):
             raise ValueError("the maxtext engine runs per host (rl_runtime=mcjax); lockstep "
                              "decoding (rl_runtime=single) is the jax engine's")
+        window = model_config.sliding_window_size
+        context = kwargs.get("max_prompt_length", 0) + kwargs.get("max_new_tokens", 0)
+        if window and context > window:
+            raise ValueError(
+                f"prompt + completion budget {context} > sliding_window_size={window}: MaxText "
+                "0.2.5's autoregressive attention applies the sliding window over KV-cache "
+                "slots, not token positions (attention_op.generate_attention_mask), so longer "
+                "sequences would decode differently from the model the trainer scores")
         self.weight_dtype = weight_dtype or None
         super().__init__(model_config, devices, **kwargs)
 
