@@ -76,6 +76,7 @@ class World:
     """One family: the trainer's MaxText model and params, and an engine on one local device."""
 
     def __init__(self, name: str):
+        self.name = name
         self.config, _ = load_maxtext_config(["", RL_YML, *FAMILIES[name], *CPU], {})
         model, self.mesh = policy.build_model(self.config, pad_id=0)
         self.policy, params = policy.maxtext_policy(model, self.config)
@@ -134,6 +135,9 @@ def test_greedy_decode_is_the_full_forwards_argmax(world):
         np.testing.assert_array_equal(out.tokens, np.argmax(steps, axis=-1))
     # Every request took a row of two: five requests, so rows were refilled mid-loop.
     assert world.engine.compile_count == 1
+    # Uniform layer stacks decode unscanned (sliced from the trainer's stack); blocks of several
+    # layer kinds decode through MaxText's scan.
+    assert world.engine.unstack == (world.name in ("qwen3", "qwen3_moe"))
 
 
 @pytest.mark.parametrize("world", family_params("qwen3_moe"), indirect=True)

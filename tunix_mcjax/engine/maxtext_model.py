@@ -30,6 +30,7 @@ CLEARED_VARS = frozenset({"cache_ar_segment_id", "cached_ar_lengths"})
 RING_VARS = frozenset({"cached_ar_key", "cached_ar_value", "cached_ar_key_scale",
                        "cached_ar_value_scale", "cache_ar_index"})
 CACHE_BATCH = "cache_batch"
+DECODER, STACKED_LAYERS, LAYER_PREFIX = "decoder", "layers", "layers_"
 TENSOR_AXIS = "tensor"
 
 
@@ -52,8 +53,9 @@ def decode_config(config: Any, *, batch: int, prompt_len: int, max_new: int,
     return config.model_copy(update=update)
 
 
-def _drop_rngs(model: nnx.Module) -> None:
-    """Construction-time `nnx.Rngs` are dead with dropout off (see maxtext.policy)."""
+def drop_rngs(model: nnx.Module) -> None:
+    """Removes the `nnx.Rngs` MaxText layers keep from construction: with dropout off they are
+    dead in the forward pass (MaxText itself drops its Dropout rngs at rate 0 for this reason)."""
     for _, node in list(nnx.iter_graph(model)):
         if isinstance(node, nnx.Module) and not isinstance(node, nnx.Rngs):
             for name, value in list(vars(node).items()):
@@ -68,7 +70,7 @@ def abstract_model(config: Any, mesh: Mesh, mode: str) -> nnx.Module:
     create = model_creation_utils.get_nnx_create_model_fn(config, mesh=mesh, model_mode=mode)
     with nn_partitioning.axis_rules(config.logical_axis_rules):
         model = nnx.eval_shape(create)
-    _drop_rngs(model)
+    drop_rngs(model)
     return model
 
 
@@ -99,15 +101,64 @@ def param_specs(config: Any, mesh: Mesh) -> dict[tuple[str, ...], tuple[tuple, A
     return specs
 
 
-class MaxTextDecodeModel:
-    """`DecodeModel` over MaxText's prefill and autoregressive modes, for one program shape."""
+def stacked_layers(config: Any, mesh: Mesh) -> bool:
+    """Whether the model's scanned param tree is its unscanned one with each `layers_<i>`
+    stacked into `layers` along `param_scan_axis` (a uniform stack, e.g. Qwen3 and Qwen3 MoE;
+    families that scan blocks of several layer kinds do not qualify)."""
+    if not config.scan_layers:
+        return False
+    scanned = param_specs(config, mesh)
+    unscanned = param_specs(config.model_copy(update={"scan_layers": False}), mesh)
+    expected = {}
+    for path, (_, shape, dtype, _) in unscanned.items():
+        if len(path) > 2 and path[0] == DECODER and path[1].startswith(LAYER_PREFIX):
+            shape = list(shape)
+            shape.insert(config.param_scan_axis, config.num_decoder_layers)
+            path = (DECODER, STACKED_LAYERS, *path[2:])
+        expected[path] = (tuple(shape), dtype)
+    return expected == {path: (shape, dtype) for path, (_, shape, dtype, _) in scanned.items()}
 
-    def __init__(self, config: Any, mesh: Mesh, *, batch: int, prompt_len: int, max_new: int):
+
+def _layer_slice(leaf: Any, index: int, axis: int) -> Any:
+    """Layer `index` of a stacked leaf, per device: a replicated jax Array stays a full copy
+    on each of its local devices (no gather)."""
+    if not isinstance(leaf, jax.Array):
+        return np.take(np.asarray(leaf), index, axis=axis)
+    copies = [s for s in leaf.addressable_shards if s.data.shape == leaf.shape]
+    if not copies:
+        if not leaf.is_fully_addressable:
+            raise ValueError("a jax Array param must be replicated over this host's devices "
+                             "(or fully addressable); reshard it to replicated first")
+        return jnp.take(leaf, index, axis=axis)
+    devices = np.array([s.device for s in copies])
+    sharding = jax.sharding.NamedSharding(Mesh(devices, ("local",)), PartitionSpec())
+    shape = leaf.shape[:axis] + leaf.shape[axis + 1:]
+    return jax.make_array_from_single_device_arrays(
+        shape, sharding, [jnp.take(s.data, index, axis=axis) for s in copies])
+
+
+def unstack_layers(flat: dict[tuple[str, ...], Any], num_layers: int,
+                   axis: int) -> dict[tuple[str, ...], Any]:
+    """A flat param tree with `decoder/layers/...` (stacked) as `decoder/layers_<i>/...`."""
+    out = {}
+    for path, leaf in flat.items():
+        if path[:2] != (DECODER, STACKED_LAYERS):
+            out[path] = leaf
+            continue
+        for i in range(num_layers):
+            out[(DECODER, f"{LAYER_PREFIX}{i}", *path[2:])] = _layer_slice(leaf, i, axis)
+    return out
+
+
+class MaxTextDecodeModel:
+    """`DecodeModel` over MaxText's prefill and autoregressive modes, for the cache shape of
+    `config` (a `decode_config`)."""
+
+    def __init__(self, config: Any, mesh: Mesh):
         from maxtext.common.common_types import MODEL_MODE_AUTOREGRESSIVE, MODEL_MODE_PREFILL
 
         self.modes = (MODEL_MODE_PREFILL, MODEL_MODE_AUTOREGRESSIVE)
         self.rules = config.logical_axis_rules
-        self.prompt_len = prompt_len
         prefill = abstract_model(config, mesh, MODEL_MODE_PREFILL)
         decode = abstract_model(config, mesh, MODEL_MODE_AUTOREGRESSIVE)
         self.prefill_graph, _, prefill_cache = nnx.split(prefill, nnx.Param, nnx.Cache)

@@ -20,6 +20,7 @@ from flax.linen import partitioning as nn_partitioning
 from tunix.models.qwen3 import model as qwen3
 
 from tunix_mcjax.config import ConfigError
+from tunix_mcjax.engine.maxtext_model import drop_rngs
 from tunix_mcjax.maxtext import config_map
 from tunix_mcjax.trainer import Policy
 
@@ -66,17 +67,11 @@ def check_mesh(mesh: jax.sharding.Mesh) -> None:
 
 
 def drop_rng_state(model: nnx.Module) -> None:
-    """Removes the `nnx.Rngs` MaxText layers keep from construction.
-
-    With dropout off they are dead in the forward pass (MaxText itself drops its Dropout rngs at
-    rate 0 for this reason); without them the params are the model's only state, which is what
-    the trainer splits, optimises and checkpoints.
+    """Removes the `nnx.Rngs` MaxText layers keep from construction (`drop_rngs`), so that the
+    params are the model's only state, which is what the trainer splits, optimises and
+    checkpoints; any other state is an error.
     """
-    for _, node in list(nnx.iter_graph(model)):
-        if isinstance(node, nnx.Module) and not isinstance(node, nnx.Rngs):
-            for name, value in list(vars(node).items()):
-                if isinstance(value, nnx.Rngs):
-                    setattr(node, name, None)
+    drop_rngs(model)
     rest = nnx.state(model, nnx.Not(nnx.Param))
     if jax.tree.leaves(rest):
         paths = ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(rest)]
