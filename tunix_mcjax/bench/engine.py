@@ -18,7 +18,7 @@ it with the bare step. Spreads are IQRs over repeats; the tokens/s ratio has a b
   random init) with the engine arm's loop settings; tokens/s against the JAX engine and Tunix.
 
     python -m tunix_mcjax.bench.engine [--profile gsm8k-cpu|numina-cpu] [--engine maxtext]
-        [--json FILE]
+        [--repeats N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -418,8 +418,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json", help="write the full result here")
     parser.add_argument("--engine", action="append", choices=sorted(ENGINE_ARMS), default=[],
                         help="also run this engine beside the JAX engine (repeatable)")
+    parser.add_argument("--repeats", type=int, help="timed repeats per arm (default: the "
+                        "profile's); more narrow the intervals on a loaded machine")
     args = parser.parse_args(argv)
-    result = run(PROFILES[args.profile], args.engine)
+    profile = PROFILES[args.profile]
+    if args.repeats:
+        profile = dataclasses.replace(profile, repeats=args.repeats)
+    result = run(profile, args.engine)
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:
