@@ -42,6 +42,10 @@ FAMILIES = {
     # Gemma4's layer pattern puts a global layer after five local ones.
     "gemma4": ["model_name=gemma4-26b", *SMALL, *MOE, "base_num_decoder_layers=6",
                "global_head_dim=32", "global_num_kv_heads=1", "sliding_window_size=24"],
+    # As MaxText's gemma4-26b RL recipe runs it.
+    "gemma4_unscanned": ["model_name=gemma4-26b", *SMALL, *MOE, "base_num_decoder_layers=6",
+                         "global_head_dim=32", "global_num_kv_heads=1", "sliding_window_size=24",
+                         "scan_layers=false"],
     # E4B: per-layer inputs and a KV-shared last layer (its donor is layer 4); no scan.
     "gemma4_small": ["model_name=gemma4-e4b", *SMALL, "base_num_decoder_layers=7",
                      "global_head_dim=32", "base_mlp_dim=64", "sliding_window_size=24",
@@ -203,15 +207,18 @@ def test_load_weights_changes_the_output(world):
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 local devices")
 @pytest.mark.parametrize("world", family_params("qwen3"), indirect=True)
-def test_data_parallel_replicas_give_the_same_greedy_decode(world):
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)], ids=["dp2", "tp2"])
+def test_replicas_and_tensor_parallelism_give_the_same_greedy_decode(world, dp, tp):
     engine = MaxTextEngine(world.config, jax.local_devices()[:2], pad_id=0, eos_ids=(),
-                           max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2)
-    assert engine.num_replicas == 2
+                           max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2,
+                           tensor_parallelism=tp)
+    assert engine.num_replicas == dp and engine.meshes[0].shape["tensor"] == tp
     engine.load_weights(policy.maxtext_tree(world.params))
-    replicas = engine.generate(world.prompts, GREEDY, seed=0)
+    parallel = engine.generate(world.prompts, GREEDY, seed=0)
     single = world.engine.generate(world.prompts, GREEDY, seed=0)
-    for a, b in zip(replicas, single, strict=True):
+    for a, b in zip(parallel, single, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
 
 
 # --- which engine decodes which family ------------------------------------------------------

@@ -8,7 +8,10 @@ cache as it owns the Qwen3 one. Per attention layer MaxText keeps a prefill cach
 max_prefill_predict_length` slots, one write index shared by all rows); segment ids mark the
 valid slots of each row, positions come from the caller, so rows decode at their own positions.
 Admitting a request into a row copies the prompt's prefill cache into the row and clears the
-row's ring segment ids, as maxengine's `insert` does.
+row's ring segment ids, as maxengine's `insert` does. The ring has one slot per new token of the
+program, and a request feeds at most max_new - 1 tokens back, so wherever the shared index stands
+when it is admitted, it never overwrites its own entries. Prefill runs MaxText's batch-1 prefill
+vectorised over the distinct prompts.
 """
 
 from __future__ import annotations
