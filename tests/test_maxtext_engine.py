@@ -24,6 +24,7 @@ from tunix_mcjax.config import ConfigError, load_config  # noqa: E402
 from tunix_mcjax.engine import SamplingParams  # noqa: E402
 from tunix_mcjax.engine.maxtext_engine import MaxTextEngine  # noqa: E402
 from tunix_mcjax.maxtext import config_map, load_maxtext_config, policy  # noqa: E402
+from tunix_mcjax.publish import Publisher  # noqa: E402
 from tunix_mcjax.runtime import phases  # noqa: E402
 
 RL_YML = f"{MAXTEXT_CONFIGS_DIR}/post_train/rl.yml"
@@ -203,6 +204,26 @@ def test_load_weights_changes_the_output(world):
     finally:
         engine.load_weights(policy.maxtext_tree(world.params))
     assert engine.compile_count == compiled  # new weights, same programs
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 local devices")
+@pytest.mark.parametrize("world", family_params("qwen3"), indirect=True)
+def test_publish_loads_the_trainers_replicated_params_in_place(world):
+    """As the runtime publishes: FSDP params resharded to replicated over the trainer's mesh,
+    loaded under that mesh, in one call (O4) or one leaf at a time; each local device's copy
+    is sliced into the engine's unscanned layers on that device."""
+    expected = world.engine.generate(world.prompts, GREEDY, seed=0)
+    engine = MaxTextEngine(world.config, jax.local_devices()[:2], pad_id=0, eos_ids=(),
+                           max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2)
+    assert engine.unstack and engine.num_replicas == 2
+    for single_call in (True, False):
+        publisher = Publisher(world.mesh, single_call)
+        publisher.publish(policy.maxtext_tree(world.params), engine)
+        got = engine.generate(world.prompts, GREEDY, seed=0)
+        for a, b in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+        layer = engine.weights(1)["decoder"]["layers_1"]["mlp"]["wi_0"]["kernel"]
+        assert layer.devices() == {jax.local_devices()[1]}
 
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 local devices")

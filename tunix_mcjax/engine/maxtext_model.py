@@ -133,11 +133,14 @@ def _layer_slice(leaf: Any, index: int, axis: int) -> Any:
             raise ValueError("a jax Array param must be replicated over this host's devices "
                              "(or fully addressable); reshard it to replicated first")
         return jnp.take(leaf, index, axis=axis)
+    slices = []
+    for shard in copies:  # on its own device, whatever global mesh the caller has set
+        with jax.set_mesh(Mesh(np.array([shard.device]), ("local",))):
+            slices.append(jnp.take(shard.data, index, axis=axis))
     devices = np.array([s.device for s in copies])
     sharding = jax.sharding.NamedSharding(Mesh(devices, ("local",)), PartitionSpec())
     shape = leaf.shape[:axis] + leaf.shape[axis + 1:]
-    return jax.make_array_from_single_device_arrays(
-        shape, sharding, [jnp.take(s.data, index, axis=axis) for s in copies])
+    return jax.make_array_from_single_device_arrays(shape, sharding, slices)
 
 
 def unstack_layers(flat: dict[tuple[str, ...], Any], num_layers: int,
