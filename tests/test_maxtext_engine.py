@@ -6,6 +6,7 @@ step, and its logprobs are that forward's log-softmax of the sampled token."""
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
@@ -20,6 +21,7 @@ pytest.importorskip("maxtext")
 
 from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # noqa: E402
 
+from tests.mp import REPO, launch_worker, read_jsonl  # noqa: E402
 from tunix_mcjax.config import ConfigError, load_config  # noqa: E402
 from tunix_mcjax.engine import SamplingParams  # noqa: E402
 from tunix_mcjax.engine.maxtext_engine import MaxTextEngine  # noqa: E402
@@ -240,6 +242,32 @@ def test_replicas_and_tensor_parallelism_give_the_same_greedy_decode(world, dp, 
     for a, b in zip(parallel, single, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+
+
+# --- the runtime on 2 hosts with the maxtext engine --------------------------------------------
+
+@pytest.mark.slow
+def test_maxtext_components_run_on_two_hosts_with_the_maxtext_engine(tmp_path):
+    """MaxText's tiny Qwen3 MoE, its data and rewards: 2 steps on 2 hosts, weights published
+    into each host's maxtext engine after every update (one call, O4)."""
+    lines = (REPO / "recipes/maxtext/cpu/qwen3_tiny.args").read_text().splitlines()
+    recipe = [a.strip() for a in lines if a.strip() and not a.startswith("#")]
+    recipe = [a for a in recipe if not a.startswith(("model_name=", "base_mlp_dim=", "num_"))]
+    overrides = [*recipe, "model_name=qwen3-30b-a3b", *MOE, "megablox=false",
+                 "sparse_matmul=false", "attention=dot_product", "num_batches=2",
+                 "num_test_batches=0", "enable_checkpointing=false",
+                 "rl_publish_weights_single_call=true", f"base_output_directory={tmp_path}"]
+    res = launch_worker("tests.workers.maxtext_engine_run", RL_YML, overrides, hosts=2,
+                        devices=1, timeout=900)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    run_dir = tmp_path / "maxtext-qwen3-tiny"
+    steps = read_jsonl(run_dir / "steps.jsonl")
+    assert [s["step"] for s in steps] == [0, 1]
+    assert all(np.isfinite(s["loss"]) for s in steps)
+    for host in (0, 1):
+        facts = json.loads((run_dir / f"maxtext_adapter_host{host}.json").read_text())
+        assert facts["config"]["rollout_engine"] == "maxtext"
+        assert facts["modules_imported"] == {"vllm": False, "tpu_inference": False}
 
 
 # --- which engine decodes which family ------------------------------------------------------
