@@ -102,12 +102,12 @@ class TpuInferencePublisher:
     """tpu-inference: the weights go into the model runner's JAX state (Tunix's sequence)."""
 
     def __init__(self, llm: Any, mc: ModelConfig, tensor_parallelism: int,
-                 transfer: Callable[..., Any] = _tunix_transfer):
+                 transfer: Callable[..., Any] | None = None):
         from tunix.models.qwen3 import mapping_vllm_jax
 
         self.llm, self.mc, self.tp = llm, mc, tensor_parallelism
         self.mapping = mapping_vllm_jax.VLLM_JAX_MAPPING
-        self.transfer = transfer
+        self.transfer = transfer or _tunix_transfer
         targets = tpu_targets(list(hf_qwen3.name_map(mc)), self.mapping["to_hf_mappings"])
         state_keys = {".".join(map(str, k)) for k, _ in self._runner.state.flat_state()}
         # A tied embedding may also be materialised as lm_head; Tunix syncs that one itself.
