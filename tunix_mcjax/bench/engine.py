@@ -7,6 +7,8 @@ Same random-init Qwen3, prompts and sampling for every arm:
 * tunix: `tunix.generate.sampler.Sampler.__call__`, warmed up, whole batch in one call, its
   cheapest sampling path for plain temperature sampling (`top_p=1.0`, no top-k), logprobs on
   (an RL rollout needs them, and our engine always returns them), a fresh seed per repeat;
+* vllm (`--engine vllm`, needs .venv-vllm): `VllmEngine.generate`, in-process vLLM on the same
+  weights (published through its reload), warmed up, a fresh seed per repeat;
 * floor: our jitted decode step alone (batch x 1 token with KV cache, cache donated) in a tight
   loop, and our prefill alone (of the distinct prompts, which is what the engine prefills).
 
@@ -14,7 +16,8 @@ Engine `iteration_ms` = (median generate wall - prefill floor) / decode iteratio
 sampling, stop checks and loop bookkeeping to the iteration; `iteration_vs_floor_ratio` compares
 it with the bare step. Spreads are IQRs over repeats; the tokens/s ratio has a bootstrap interval.
 
-    python -m tunix_mcjax.bench.engine [--profile gsm8k-cpu|numina-cpu] [--json FILE]
+    python -m tunix_mcjax.bench.engine [--profile gsm8k-cpu|numina-cpu] [--engine jax|vllm]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -191,6 +194,26 @@ def tunix_arm(profile, model, prompts, sampling, compiles: list[int]) -> tuple[M
     return measure, info
 
 
+def vllm_arm(profile, params, prompts, sampling) -> tuple[Measure, dict]:
+    """A warmed-up VllmEngine (vLLM in-process) over the same weights, whole batch per call."""
+    from tunix_mcjax.engine.vllm_engine import VllmEngine
+
+    engine = VllmEngine(
+        MODEL, jax.devices()[:1], pad_id=PAD_ID, eos_ids=(EOS_ID,),
+        max_prompt_length=pow2_at_least(profile.prompt_lengths[1]),
+        max_new_tokens=profile.max_new_tokens, max_num_seqs=profile.decode_batch)
+    publish_s, _ = timed(lambda: engine.load_weights(params))
+    engine.generate(prompts, sampling, seed=0)  # warm-up
+    info = {"compile_count": engine.compile_count, "decode_batch": profile.decode_batch,
+            "publish_s": publish_s}
+
+    def measure(rep: int) -> dict[str, float]:
+        wall, out = timed(lambda: engine.generate(prompts, sampling, seed=rep + 1))
+        return {"wall_s": wall, "tokens": sum(len(c.tokens) for c in out)}
+
+    return measure, info
+
+
 def floor_arm(profile, params, batch: int, steps: int = 32) -> tuple[Measure, dict]:
     """Our decode step alone (cache donated) in a tight loop, and our prefill alone, jitted."""
     prompt_bucket = pow2_at_least(profile.prompt_lengths[1])
@@ -238,7 +261,7 @@ def column(records: list[dict[str, float]], key: str) -> list[float]:
     return [r[key] for r in records]
 
 
-def run(profile: EngineProfile) -> dict[str, Any]:
+def run(profile: EngineProfile, engine_arms: Sequence[str] = ("jax",)) -> dict[str, Any]:
     """Warm every arm up, then run the arms interleaved, once each per repeat, so that load
     from other processes hits them alike."""
     compiles = [0]
@@ -263,6 +286,8 @@ def run(profile: EngineProfile) -> dict[str, Any]:
         arms["engine_waves"] = engine_arm(*workload, continuous=False, batch=profile.decode_batch)
         arms["engine_one_batch"] = engine_arm(*workload, continuous=False, batch=profile.requests)
     arms["tunix"] = tunix_arm(profile, model, prompts, sampling, compiles)
+    if "vllm" in engine_arms:
+        arms["vllm"] = vllm_arm(*workload)
     arms["floor"] = floor_arm(profile, params, arms["engine"][1]["decode_batch"])
     records: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
     for rep in range(profile.repeats):
@@ -296,6 +321,8 @@ def run(profile: EngineProfile) -> dict[str, Any]:
         "arm_info": {name: info for name, (_, info) in arms.items()},
         "records": records,
     }  # fmt: skip
+    if "vllm" in records:
+        result.update(vllm_results(records))
     for variant in ("engine_waves", "engine_one_batch"):
         if variant in records:
             result[f"{variant}_tokens_per_s"] = spread(tokens_per_s(records[variant]))["median"]
@@ -308,6 +335,16 @@ def run(profile: EngineProfile) -> dict[str, Any]:
     return result
 
 
+def vllm_results(records: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
+    """vLLM's tokens/s and its ratios to our JAX engine and to Tunix's sampler."""
+    vllm = tokens_per_s(records["vllm"])
+    vs_engine = bootstrap_ratio(vllm, tokens_per_s(records["engine"]))
+    vs_tunix = bootstrap_ratio(vllm, tokens_per_s(records["tunix"]))
+    return {"vllm_tokens_per_s": spread(vllm)["median"], "vllm_tokens_per_s_spread": spread(vllm),
+            "vllm_ratio_vs_engine": vs_engine[0], "vllm_ratio_vs_engine_ci95": list(vs_engine[1:]),
+            "vllm_ratio_vs_tunix": vs_tunix[0], "vllm_ratio_vs_tunix_ci95": list(vs_tunix[1:])}
+
+
 def print_table(result: dict[str, Any]) -> None:
     records, info = result["records"], result["arm_info"]
     rows = [
@@ -315,6 +352,7 @@ def print_table(result: dict[str, Any]) -> None:
         ("no CB, waves", "engine_waves"),
         ("no CB, 1 batch", "engine_one_batch"),
         ("tunix Sampler", "tunix"),
+        ("vLLM", "vllm"),
     ]
     print(f"profile {result['profile']['name']}  model {result['model']}  {result['device']}")
     print(f"{'arm':<16}{'tokens/s':>10}{'IQR':>8}{'wall s':>9}{'tokens':>8}{'compiles':>10}")
@@ -337,6 +375,11 @@ def print_table(result: dict[str, Any]) -> None:
         f"ratio {result['iteration_vs_floor_ratio']:.2f}; "
         f"prefill floor {result['prefill_ms']:.1f} ms"
     )
+    if "vllm_tokens_per_s" in result:
+        for other in ("engine", "tunix"):
+            low, high = result[f"vllm_ratio_vs_{other}_ci95"]
+            print(f"vLLM tokens/s ratio vs {other} {result[f'vllm_ratio_vs_{other}']:.2f} "
+                  f"[95% CI {low:.2f}, {high:.2f}]")
     for variant in ("waves", "one_batch"):
         if f"cb_speedup_vs_{variant}" in result:
             speedup, low, high = result[f"cb_speedup_vs_{variant}"]
@@ -350,9 +393,11 @@ def print_table(result: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="gsm8k-cpu")
+    parser.add_argument("--engine", choices=("jax", "vllm"), default="jax",
+                        help="an engine arm beside ours and Tunix's (vllm: needs .venv-vllm)")
     parser.add_argument("--json", help="write the full result here")
     args = parser.parse_args(argv)
-    result = run(PROFILES[args.profile])
+    result = run(PROFILES[args.profile], engine_arms=(args.engine,))
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:
