@@ -123,7 +123,8 @@ class VllmEngine(Engine):
             raise ValueError(
                 f"torch vLLM runs one in-process worker: rollout_data_parallelism x "
                 f"rollout_tensor_parallelism = {dp} x {tp} per host must be 1 x 1 on "
-                f"{self.platform} (launch one process per device; DP x TP is TPU-only here)")
+                f"{self.platform}: set rollout_data_parallelism=1 (the first local device) or "
+                "launch one process per device; DP x TP per host is TPU-only here")
         if self.platform != "tpu" and self.options.enable_dp_attention:
             raise ValueError("enable_dp_attention is a tpu-inference setting; unset it on CPU/GPU")
         self.model_config, self.pad_id = model_config, pad_id
