@@ -177,3 +177,26 @@ def test_vllm_config_keys_are_honoured_or_refused():
     with pytest.raises(ConfigError, match="JSON object"):
         config.load_config(None, {"rollout_engine": "vllm", "vllm_additional_config": "[1]",
                                   "rl_publish_weights_single_call": True})
+
+
+def test_hf_layouts_equal_the_checkpoint_exporter_and_untied_head_maps():
+    """`to_hf` gives exactly what `models.hf_state_dict` writes (and Tunix's loader reads)."""
+    import dataclasses
+
+    import numpy as np
+    from flax import nnx
+
+    from tunix_mcjax import models
+    from tunix_mcjax.engine.jax_engine import flatten_tree
+
+    base = models.model_config(config.load_config(None), vocab_size=40, for_sampling=True)
+    for mc in (base, dataclasses.replace(base, use_tied_embedding=False)):
+        model = models.create_model(mc, 0)
+        flat = flatten_tree(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+        mapped, want = hf_qwen3.to_hf(flat, mc), models.hf_state_dict(model, mc)
+        assert sorted(mapped) == sorted(want) == sorted(n for n, _ in
+                                                        hf_qwen3.name_map(mc).values())
+        for name, value in want.items():
+            np.testing.assert_array_equal(mapped[name], value)
+    with pytest.raises(ValueError, match="1 unknown"):
+        hf_qwen3.check_complete([*flat, ("layers", "0", "extra")], mc)
