@@ -48,9 +48,7 @@ def trainer_greedy(model, prompt, steps):
     """Greedy continuation by the trainer's full forward (pad excluded), step by step."""
     seq = list(prompt)
     for _ in range(steps):
-        n = len(seq)
-        logits = np.array(trainer._qwen3_forward(model, jnp.asarray([seq], jnp.int32),
-                                                 jnp.arange(n)[None], jnp.ones((1, n), jnp.int32)))
+        logits = np.array(trainer_forward(model, seq))
         logits[0, -1, PAD] = -np.inf
         seq.append(int(logits[0, -1].argmax()))
     return seq[len(prompt):]
@@ -72,12 +70,17 @@ def engine(model_config, model, eos_id):
     return engine
 
 
+def trainer_forward(model, seq):
+    """The trainer's full forward (its Qwen3 policy) over one unpacked sequence: logits."""
+    policy, _ = trainer.qwen3_policy(model)
+    n = len(seq)
+    return policy.forward(model, jnp.asarray([seq], jnp.int32), jnp.arange(n)[None],
+                          jnp.ones((1, n), jnp.int32))
+
+
 def trainer_logps(model, prompt, completion, temperature):
     """The trainer's recomputation: its full forward, then `loss.token_logps`."""
-    seq = np.asarray(prompt + completion.tokens.tolist(), np.int32)[None]
-    n = seq.shape[1]
-    logits = trainer._qwen3_forward(model, jnp.asarray(seq), jnp.arange(n)[None],
-                                    jnp.ones((1, n), jnp.int32))
+    logits = trainer_forward(model, prompt + completion.tokens.tolist())
     start = len(prompt) - 1
     picked = logits[:, start:-1]
     logps = loss.token_logps(picked, jnp.asarray(completion.tokens)[None], temperature)
