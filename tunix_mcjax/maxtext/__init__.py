@@ -66,10 +66,11 @@ def checked_config(argv: Sequence[str], kwargs: dict,
     from tunix_mcjax.maxtext import config_map, data
 
     config, default = load_maxtext_config(argv, kwargs)
-    not_applied = config_map.check_keys(config_map.changed_keys(config, default))
+    changed = config_map.changed_keys(config, default)
+    not_applied = config_map.check_keys(changed)
     config_map.check_model(config)
     tokenizer_path = data.resolve_tokenizer_path(config.tokenizer_path)
-    return config, config_map.to_config(config, num_hosts, tokenizer_path), not_applied
+    return config, config_map.to_config(config, num_hosts, tokenizer_path, changed), not_applied
 
 
 def run(argv: Sequence[str], kwargs: dict, topo: topology.Topology) -> dict | None:
@@ -84,24 +85,30 @@ def run(argv: Sequence[str], kwargs: dict, topo: topology.Topology) -> dict | No
         _log_start(config, cfg, not_applied)
     # Built by the runtime under its watchdog: the model build waits on every host.
     summary = ColocatedRuntime(
-        cfg, topo, components=lambda: build_components(config, data.load_tokenizer(config))).run()
+        cfg, topo,
+        components=lambda: build_components(config, data.load_tokenizer(config), topo)).run()
     write_facts(cfg, topo, not_applied)
     return summary
 
 
-def build_components(config: Any, tokenizer: Any) -> Any:
-    """MaxText's model, mesh, optimizer, data and rewards as the runtime's components."""
+def build_components(config: Any, tokenizer: Any, topo: topology.Topology) -> Any:
+    """MaxText's model, mesh, optimizer, data, rewards and evaluation as the runtime's
+    components."""
     from maxtext.trainers.post_train.rl import utils_rl
 
     from tunix_mcjax.maxtext import data, policy
+    from tunix_mcjax.maxtext.evaluation import MaxTextEvaluator
     from tunix_mcjax.runtime.colocated import Components
 
-    task = data.maxtext_task(config, tokenizer)
+    train_rows, test_rows = data.dataset_rows(config, tokenizer)
+    task = data.maxtext_task(config, train_rows)
+    evaluator = None if test_rows is None else MaxTextEvaluator(
+        config, test_rows, task.reward_fns, tokenizer, topo.host, topo.num_hosts)
     model, mesh = policy.build_model(config, tokenizer.pad_token_id)
     trainer_policy, params = policy.maxtext_policy(model, config)
     return Components(tokenizer=tokenizer, task=task, mesh=mesh, policy=trainer_policy,
                       params=params, engine_model_config=policy.engine_model_config(config),
-                      optimizer=utils_rl.get_optimizer(config))
+                      optimizer=utils_rl.get_optimizer(config), evaluator=evaluator)
 
 
 def _log_start(config: Any, cfg: Config, not_applied: dict[str, Any]) -> None:
@@ -110,9 +117,6 @@ def _log_start(config: Any, cfg: Config, not_applied: dict[str, Any]) -> None:
     if not_applied:
         print("rl_runtime=mcjax: these settings are for the Pathways/vLLM path and do not apply "
               f"here: {', '.join(not_applied)}", flush=True)
-    if config.num_test_batches > 0:
-        print(f"rl_runtime=mcjax: evaluation (num_test_batches={config.num_test_batches}, "
-              "rl.yml's default) does not run under this runtime", flush=True)
 
 
 def write_facts(cfg: Config, topo: topology.Topology, not_applied: dict[str, Any]) -> None:
