@@ -5,6 +5,9 @@ mapping and the CPU recipe's output."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -13,6 +16,7 @@ import pytest
 
 pytest.importorskip("maxtext")
 
+from tests.mp import REPO  # noqa: E402
 from tests.test_maxtext_adapter import maxtext_argv  # noqa: E402
 from tests.workers_memory.updates import flat, local_rows  # noqa: E402
 from tunix_mcjax.config import ConfigError  # noqa: E402
@@ -103,3 +107,24 @@ def test_jsonl_sink_reads_back_through_epath(tmp_path):
     assert resumed.kept == [{"step": 0, "x": 1}]
     resumed.close()
     assert json.loads(path.read_text()) == {"step": 0, "x": 1}
+
+
+# --- evaluation -------------------------------------------------------------------------------
+
+def test_evaluation_equals_maxtext_evaluate_and_sums_over_hosts(tmp_path):
+    """Two hosts' shares scored by our evaluator, summed, against MaxText's `evaluate` on the
+    same responses (tests/workers/maxtext_eval.py; a subprocess, since MaxText's math-verify
+    pool spawns workers that re-import the main module)."""
+    out = tmp_path / "eval.json"
+    proc = subprocess.run([sys.executable, "-m", "tests.workers.maxtext_eval", str(out)],
+                          cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    got = json.loads(out.read_text())
+    ours, theirs = got["ours"], got["maxtext"]
+    assert theirs["total"] == ours["total"] == 4
+    assert theirs["corr"] == pytest.approx(ours["corr"]) == 2.0  # pass@1: half right per prompt
+    for key in ("accuracy", "partial_accuracy", "format_accuracy", "mean_reward"):
+        assert theirs[key] == pytest.approx(ours[key]), key
+    assert ours["format_accuracy"] == pytest.approx(75.0)
+    assert ours["mean_reward"] != 0.0

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tunix_mcjax import topology
+from tunix_mcjax import logs, topology
 from tunix_mcjax.config import Config
 
 FACTS_FILE = "maxtext_adapter_host{host}.json"
@@ -28,10 +28,22 @@ def main(argv: Sequence[str], kwargs: dict | None = None) -> None:
     """MaxText's `rl_runtime=mcjax`: `argv` is train_rl's (program, [config.yml], key=value...)."""
     from tunix_mcjax.run import guarded
 
+    quiet = not full_logs(argv, kwargs or {})
+    if quiet:
+        logs.quiet_library_logs()
     topo = topology.initialize_from_env()
+    if quiet and not topo.is_leader:
+        logs.quiet_library_logs(errors_only=True)
     code = guarded(topo, lambda: run(argv, kwargs or {}, topo))
     if code:
         sys.exit(code)
+
+
+def full_logs(argv: Sequence[str], kwargs: dict) -> bool:
+    """MaxText's `debug=true`: every library's logs, as MaxText prints them (see `logs`)."""
+    from maxtext.configs import pyconfig
+
+    return str(pyconfig.read_raw_key(list(argv), "debug", **kwargs)).lower() == "true"
 
 
 def load_maxtext_config(argv: Sequence[str], kwargs: dict) -> tuple[Any, Any]:
