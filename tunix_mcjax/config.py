@@ -71,7 +71,12 @@ class Config:
     decode_sampling_nucleus_p: float = 1.0  # 1.0: off
 
     # Rollout engine.
+    # --- MaxText engine (engine/maxtext_engine.py) ---
+    # jax: our decode loop over Tunix Qwen3 (dense Qwen3 only); maxtext: the same loop over
+    # MaxText's own model in its KV-cache decode modes, any family MaxText trains, with the
+    # trainer's own weights (runs under the MaxText adapter, which picks it for non-Qwen3 models).
     rollout_engine: str = "jax"
+    # --- end MaxText engine ---
     rollout_tensor_parallelism: int = 1
     rollout_data_parallelism: int = -1  # -1: local devices / TP
     rollout_continuous_batching: bool = True
@@ -230,7 +235,7 @@ def fingerprint_mismatch(saved: dict[str, Any], cfg: Config) -> list[str]:
 _CHOICES = {
     "tokenizer_type": ("char", "huggingface"),
     "decode_sampling_strategy": ("weighted", "greedy"),
-    "rollout_engine": ("jax",),
+    "rollout_engine": ("jax", "maxtext"),
     "loss_algo": ("grpo", "gspo-token"),  # on-policy they are the same update (trainer.py)
     "loss_agg_mode": ("token-mean", "sequence-mean-token-mean"),
     "advantage_estimator": ("grpo",),
@@ -372,6 +377,9 @@ def _validate(cfg: Config) -> None:
         )
     if cfg.num_generations < 2:
         raise ConfigError("num_generations must be >= 2: GRPO advantages need a group")
+    if cfg.rollout_engine == "maxtext" and cfg.rl_runtime == "single":
+        raise ConfigError("rollout_engine=maxtext runs one engine per host (rl_runtime=mcjax); "
+                          "rl_runtime=single's lockstep baseline is rollout_engine=jax's")
     if cfg.decode_sampling_temperature <= 0 and cfg.decode_sampling_strategy != "greedy":
         raise ConfigError("decode_sampling_temperature must be > 0 (or use "
                           "decode_sampling_strategy=greedy)")

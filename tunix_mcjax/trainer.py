@@ -52,7 +52,8 @@ class Policy:
 
     graphdef: nnx.GraphDef
     forward: ForwardFn
-    # Trainer params -> the engine's Tunix-Qwen3 param tree (a nested dict of arrays).
+    # Trainer params -> the engine's param tree (a nested dict of arrays): Tunix Qwen3's for
+    # the jax engine, MaxText's own for the maxtext engine.
     to_engine_params: Callable[[nnx.State], dict]
     hidden: HiddenFn | None = None
     unembed: UnembedFn | None = None

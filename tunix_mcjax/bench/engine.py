@@ -14,7 +14,11 @@ Engine `iteration_ms` = (median generate wall - prefill floor) / decode iteratio
 sampling, stop checks and loop bookkeeping to the iteration; `iteration_vs_floor_ratio` compares
 it with the bare step. Spreads are IQRs over repeats; the tokens/s ratio has a bootstrap interval.
 
-    python -m tunix_mcjax.bench.engine [--profile gsm8k-cpu|numina-cpu] [--json FILE]
+* `--engine maxtext`: the maxtext engine (MaxText's own dense Qwen3 of the same shape, its own
+  random init) with the engine arm's loop settings; tokens/s against the JAX engine and Tunix.
+
+    python -m tunix_mcjax.bench.engine [--profile gsm8k-cpu|numina-cpu] [--engine maxtext]
+        [--repeats N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -160,6 +164,52 @@ def engine_arm(
     return measure, info
 
 
+# MaxText's dense Qwen3 at MODEL's shape, CPU kernels, fp32 (`--engine maxtext`).
+MAXTEXT_MODEL = [
+    "model_name=qwen3-0.6b", "override_model_config=true",
+    f"base_num_decoder_layers={MODEL.num_layers}", f"vocab_size={MODEL.vocab_size}",
+    f"base_emb_dim={MODEL.embed_dim}", f"base_mlp_dim={MODEL.hidden_dim}",
+    f"base_num_query_heads={MODEL.num_heads}", f"base_num_kv_heads={MODEL.num_kv_heads}",
+    f"head_dim={MODEL.head_dim}", "logits_via_embedding=true", "dtype=float32",
+    "weight_dtype=float32", "hardware=cpu", "attention=dot_product",
+    "convert_checkpoint_if_possible=false", "log_config=false",
+]  # fmt: skip
+
+
+def maxtext_arm(profile, prompts, sampling, *, batch: int) -> tuple[Measure, dict]:
+    """The maxtext engine (MaxText's own Qwen3, random init, same shape as MODEL) with the same
+    loop settings as the `engine` arm: continuous batching through `batch` rows."""
+    from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
+
+    from tunix_mcjax.engine.maxtext_engine import MaxTextEngine
+    from tunix_mcjax.maxtext import load_maxtext_config, policy
+
+    rl_yml = f"{MAXTEXT_CONFIGS_DIR}/post_train/rl.yml"
+    config, _ = load_maxtext_config(["", rl_yml, *MAXTEXT_MODEL], {})
+    model, _ = policy.build_model(config, pad_id=PAD_ID)
+    _, params = policy.maxtext_policy(model, config)
+    engine = MaxTextEngine(
+        config, jax.devices()[:1], pad_id=PAD_ID, eos_ids=(EOS_ID,),
+        max_prompt_length=pow2_at_least(profile.prompt_lengths[1]),
+        max_new_tokens=profile.max_new_tokens, max_batch_size=batch,
+    )  # fmt: skip
+    engine.load_weights(policy.maxtext_tree(params))
+    engine.generate(prompts, sampling, seed=0)  # compile
+    info = {"decode_batch": min(batch, pow2_at_least(profile.requests))}
+
+    def measure(rep: int) -> dict[str, float]:
+        wall, out = timed(lambda: engine.generate(prompts, sampling, seed=rep + 1))
+        info["compile_count"] = engine.compile_count
+        return {"wall_s": wall, "tokens": sum(len(c.tokens) for c in out),
+                "iterations": sum(engine.last_iterations)}
+
+    return measure, info
+
+
+# `--engine` arms beside the JAX engine (which always runs): name -> arm builder.
+ENGINE_ARMS = {"maxtext": maxtext_arm}
+
+
 def tunix_arm(profile, model, prompts, sampling, compiles: list[int]) -> tuple[Measure, dict]:
     """A warmed-up Tunix Sampler over the same model, whole batch per call."""
     prompt_bucket = pow2_at_least(profile.prompt_lengths[1])
@@ -238,9 +288,9 @@ def column(records: list[dict[str, float]], key: str) -> list[float]:
     return [r[key] for r in records]
 
 
-def run(profile: EngineProfile) -> dict[str, Any]:
+def run(profile: EngineProfile, engines: Sequence[str] = ()) -> dict[str, Any]:
     """Warm every arm up, then run the arms interleaved, once each per repeat, so that load
-    from other processes hits them alike."""
+    from other processes hits them alike. `engines` names `ENGINE_ARMS` to add."""
     compiles = [0]
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _s, **_: (
@@ -262,6 +312,8 @@ def run(profile: EngineProfile) -> dict[str, Any]:
     if not profile.ignore_eos:
         arms["engine_waves"] = engine_arm(*workload, continuous=False, batch=profile.decode_batch)
         arms["engine_one_batch"] = engine_arm(*workload, continuous=False, batch=profile.requests)
+    for name in engines:
+        arms[name] = ENGINE_ARMS[name](profile, prompts, sampling, batch=profile.decode_batch)
     arms["tunix"] = tunix_arm(profile, model, prompts, sampling, compiles)
     arms["floor"] = floor_arm(profile, params, arms["engine"][1]["decode_batch"])
     records: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
@@ -296,6 +348,12 @@ def run(profile: EngineProfile) -> dict[str, Any]:
         "arm_info": {name: info for name, (_, info) in arms.items()},
         "records": records,
     }  # fmt: skip
+    for name in engines:
+        result[f"{name}_tokens_per_s_spread"] = spread(tokens_per_s(records[name]))
+        result[f"{name}_tokens_per_s_ratio_vs_engine"] = bootstrap_ratio(
+            tokens_per_s(records[name]), tokens_per_s(engine))
+        result[f"{name}_tokens_per_s_ratio_vs_tunix"] = bootstrap_ratio(
+            tokens_per_s(records[name]), tokens_per_s(tunix))
     for variant in ("engine_waves", "engine_one_batch"):
         if variant in records:
             result[f"{variant}_tokens_per_s"] = spread(tokens_per_s(records[variant]))["median"]
@@ -314,6 +372,7 @@ def print_table(result: dict[str, Any]) -> None:
         ("engine (CB)", "engine"),
         ("no CB, waves", "engine_waves"),
         ("no CB, 1 batch", "engine_one_batch"),
+        *((f"{name} engine", name) for name in ENGINE_ARMS),
         ("tunix Sampler", "tunix"),
     ]
     print(f"profile {result['profile']['name']}  model {result['model']}  {result['device']}")
@@ -337,6 +396,12 @@ def print_table(result: dict[str, Any]) -> None:
         f"ratio {result['iteration_vs_floor_ratio']:.2f}; "
         f"prefill floor {result['prefill_ms']:.1f} ms"
     )
+    for name in ENGINE_ARMS:
+        for other in ("engine", "tunix"):
+            if f"{name}_tokens_per_s_ratio_vs_{other}" in result:
+                ratio, low, high = result[f"{name}_tokens_per_s_ratio_vs_{other}"]
+                print(f"{name} engine tokens/s vs {other}: {ratio:.2f} "
+                      f"[95% CI {low:.2f}, {high:.2f}]")
     for variant in ("waves", "one_batch"):
         if f"cb_speedup_vs_{variant}" in result:
             speedup, low, high = result[f"cb_speedup_vs_{variant}"]
@@ -351,8 +416,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="gsm8k-cpu")
     parser.add_argument("--json", help="write the full result here")
+    parser.add_argument("--engine", action="append", choices=sorted(ENGINE_ARMS), default=[],
+                        help="also run this engine beside the JAX engine (repeatable)")
+    parser.add_argument("--repeats", type=int, help="timed repeats per arm (default: the "
+                        "profile's); more narrow the intervals on a loaded machine")
     args = parser.parse_args(argv)
-    result = run(PROFILES[args.profile])
+    profile = PROFILES[args.profile]
+    if args.repeats:
+        profile = dataclasses.replace(profile, repeats=args.repeats)
+    result = run(profile, args.engine)
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:

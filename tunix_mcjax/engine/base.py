@@ -45,7 +45,8 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def load_weights(self, params: Any) -> None:
-        """Takes a (possibly partial) Tunix Qwen3 param tree as a nested dict of arrays.
+        """Takes a (possibly partial) param tree of the engine's model as a nested dict of arrays
+        (Tunix Qwen3's for the jax engine, MaxText's own for the maxtext engine).
 
         Leaves may be numpy arrays or jax Arrays replicated over this host's devices (a global
         fully-replicated array works: each device's addressable shard is used in place).

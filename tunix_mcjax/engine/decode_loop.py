@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -72,18 +72,72 @@ class Outputs:
 jax.tree_util.register_dataclass(Outputs)
 
 
+class DecodeModel(Protocol):
+    """What the loop needs from a model: batched prefill into a prompt store, rows of a decode
+    cache copied from that store, and one decode step. Caches are pytrees of arrays."""
+
+    def prefill(self, params: Any, prompts: jax.Array, lengths: jax.Array) -> tuple[jax.Array, Any]:
+        """Right-padded prompts [U, T], lengths [U] -> (fp32 logits at lengths-1 [U, V], store)."""
+
+    def rows(self, store: Any, prompt_ids: jax.Array) -> Any:
+        """A decode cache whose row b holds prompt `prompt_ids[b]` of the store."""
+
+    def admit(self, cache: Any, store: Any, slot: jax.Array, prompt: jax.Array) -> Any:
+        """`cache` with row `slot` replaced by prompt `prompt` of the store."""
+
+    def decode_step(self, params: Any, cache: Any, tokens: jax.Array,
+                    positions: jax.Array) -> tuple[jax.Array, Any]:
+        """One token per row at its position -> (fp32 logits [B, V], updated cache)."""
+
+
+class Qwen3DecodeModel:
+    """Tunix Qwen3 through `qwen3_forward`: per-layer (keys, values) with a per-row position."""
+
+    def __init__(self, cfg: ModelConfig, max_new: int, mesh: jax.sharding.Mesh):
+        self.cfg, self.max_new = cfg, max_new
+        self.cache_sharding = NamedSharding(mesh, P("data", "tp", None, None))
+
+    def prefill(self, params, prompts, lengths):
+        return fwd.prefill(self.cfg, params, prompts, lengths)
+
+    def rows(self, store, prompt_ids):
+        pad_keys = ((0, 0), (0, 0), (0, 0), (0, self.max_new))  # keys [B, K, H, S]
+        pad_values = ((0, 0), (0, 0), (0, self.max_new), (0, 0))  # values [B, K, S, H]
+        return [
+            (
+                jax.lax.with_sharding_constraint(jnp.pad(k[prompt_ids], pad_keys),
+                                                 self.cache_sharding),
+                jax.lax.with_sharding_constraint(jnp.pad(v[prompt_ids], pad_values),
+                                                 self.cache_sharding),
+            )
+            for k, v in store
+        ]
+
+    def admit(self, cache, store, slot, prompt):
+        return [
+            tuple(
+                jax.lax.dynamic_update_slice(
+                    c, jax.lax.dynamic_slice_in_dim(x, prompt, 1), (slot, 0, 0, 0)
+                )
+                for c, x in zip(cache_i, kv_i, strict=True)
+            )
+            for cache_i, kv_i in zip(cache, store, strict=True)
+        ]
+
+    def decode_step(self, params, cache, tokens, positions):
+        return fwd.decode_step(self.cfg, params, cache, tokens, positions)
+
+
 def build_program(
-    cfg: ModelConfig,
+    model: DecodeModel,
     shape: ProgramShape,
     spec: SamplerSpec,
     masked_id: int | None,
-    mesh: jax.sharding.Mesh,
 ) -> Callable[[Any, Inputs], Outputs]:
-    """The pure function `(params, inputs) -> outputs` for one shape; jit it over `mesh`.
-    `masked_id` is never sampled (pad, unless pad is a stop id; None: nothing masked)."""
+    """The pure function `(params, inputs) -> outputs` for one shape; jit it over the model's
+    mesh. `masked_id` is never sampled (pad, unless pad is a stop id; None: nothing masked)."""
     n, b = shape.num_requests, shape.num_slots
     continuous = n > b
-    cache_sharding = NamedSharding(mesh, P("data", "tp", None, None))
 
     def key_for(inp: Inputs, request: jax.Array, token_index: jax.Array) -> jax.Array:
         request_key = jax.random.fold_in(inp.key, inp.first_request_index + request)
@@ -109,15 +163,7 @@ def build_program(
         requests = jnp.arange(b, dtype=jnp.int32)
         real = inp.request_prompts[:b] >= 0
         prompt = jnp.maximum(inp.request_prompts[:b], 0)
-        pad_keys = ((0, 0), (0, 0), (0, 0), (0, shape.max_new))  # keys [B, K, H, S]
-        pad_values = ((0, 0), (0, 0), (0, shape.max_new), (0, 0))  # values [B, K, S, H]
-        cache = [
-            (
-                jax.lax.with_sharding_constraint(jnp.pad(k[prompt], pad_keys), cache_sharding),
-                jax.lax.with_sharding_constraint(jnp.pad(v[prompt], pad_values), cache_sharding),
-            )
-            for k, v in store_kv
-        ]
+        cache = model.rows(store_kv, prompt)
         zeros = jnp.zeros((b,), jnp.int32)
         tokens, logprobs = draw(store_logits[prompt], inp, requests, zeros)
         state = {
@@ -141,15 +187,7 @@ def build_program(
         slot = jnp.argmin(state["active"])
         request = state["next_request"]
         prompt = inp.request_prompts[request]
-        state["cache"] = [
-            tuple(
-                jax.lax.dynamic_update_slice(
-                    c, jax.lax.dynamic_slice_in_dim(x, prompt, 1), (slot, 0, 0, 0)
-                )
-                for c, x in zip(cache_i, kv_i, strict=True)
-            )
-            for cache_i, kv_i in zip(state["cache"], store_kv, strict=True)
-        ]
+        state["cache"] = model.admit(state["cache"], store_kv, slot, prompt)
         zero = jnp.zeros((1,), jnp.int32)
         logits = jax.lax.dynamic_slice_in_dim(store_logits, prompt, 1)
         token, logprob = draw(logits, inp, request[None], zero)
@@ -171,8 +209,8 @@ def build_program(
         return jax.lax.while_loop(has_room, lambda s: admit_one(inp, store, s), state)
 
     def decode_iteration(params, inp: Inputs, store, state):
-        logits, state["cache"] = fwd.decode_step(
-            cfg, params, state["cache"], state["tokens"], state["positions"]
+        logits, state["cache"] = model.decode_step(
+            params, state["cache"], state["tokens"], state["positions"]
         )
         active, counts = state["active"], state["counts"]
         tokens, logprobs = draw(logits, inp, state["requests"], counts)
@@ -188,8 +226,8 @@ def build_program(
         return state
 
     def program(params, inp: Inputs) -> Outputs:
-        # The prompt store: last logits [U, V] and a per-layer cache of length prompt_len.
-        store = fwd.prefill(cfg, params, inp.prompts, jnp.maximum(inp.prompt_lens, 1))
+        # The prompt store: last logits [U, V] and the model's cache of the prompts.
+        store = model.prefill(params, inp.prompts, jnp.maximum(inp.prompt_lens, 1))
         state = initial_state(inp, store)
         if continuous:
             state = admit_waiting(inp, store, state)

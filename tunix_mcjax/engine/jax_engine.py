@@ -22,7 +22,14 @@ from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3 import model as qwen3
 
 from tunix_mcjax.engine.base import Completion, Engine, FinishReason, SamplingParams
-from tunix_mcjax.engine.decode_loop import Inputs, Outputs, ProgramShape, build_program
+from tunix_mcjax.engine.decode_loop import (
+    DecodeModel,
+    Inputs,
+    Outputs,
+    ProgramShape,
+    Qwen3DecodeModel,
+    build_program,
+)
 from tunix_mcjax.engine.sampling import SamplerSpec
 
 LeafPath = tuple[str, ...]
@@ -149,14 +156,10 @@ class JaxEngine(Engine):
             raise ValueError(
                 f"{len(devices)} devices do not split into replicas of tensor_parallelism={tp}"
             )
-        if model_config.num_heads % tp or model_config.num_kv_heads % tp:
-            raise ValueError(
-                f"tensor_parallelism={tp} must divide num_heads={model_config.num_heads} and "
-                f"num_kv_heads={model_config.num_kv_heads}"
-            )
+        self.model_config = model_config
+        self._check_tensor_parallelism(tp)
         if max_prompt_length < 1 or max_new_tokens < 1 or max_batch_size < 1:
             raise ValueError("max_prompt_length, max_new_tokens and max_batch_size must be >= 1")
-        self.model_config = model_config
         self.pad_id = pad_id
         self.eos_ids = tuple(dict.fromkeys(int(i) for i in eos_ids))
         # Pad is sampled only when it is one of the model's EOS ids (Qwen3's <|endoftext|>).
@@ -168,13 +171,37 @@ class JaxEngine(Engine):
         self.max_batch_size = max_batch_size
         groups = np.array(devices, dtype=object).reshape(-1, tp)
         if lockstep:
-            self.meshes = [Mesh(groups, ("data", "tp"))]
+            self.meshes = [self._mesh(groups)]
         else:
-            self.meshes = [Mesh(group.reshape(1, tp), ("data", "tp")) for group in groups]
-        self._leaf_specs = _leaf_specs(model_config, tp)
+            self.meshes = [self._mesh(group.reshape(1, tp)) for group in groups]
+        self._leaf_specs = self._param_specs(tp)
         self._params: list[dict[LeafPath, jax.Array]] = [{} for _ in self.meshes]
         self._programs: dict[tuple[Any, ...], Any] = {}
         self.last_iterations: list[int] = []  # decode iterations per program of the last call
+
+    # ----- what a model family defines (Tunix Qwen3 here) -----
+
+    def _check_tensor_parallelism(self, tp: int) -> None:
+        cfg = self.model_config
+        if cfg.num_heads % tp or cfg.num_kv_heads % tp:
+            raise ValueError(
+                f"tensor_parallelism={tp} must divide num_heads={cfg.num_heads} and "
+                f"num_kv_heads={cfg.num_kv_heads}"
+            )
+
+    def _mesh(self, devices: np.ndarray) -> Mesh:
+        """A replica's mesh over devices [replicas, tp]."""
+        return Mesh(devices, ("data", "tp"))
+
+    def _param_specs(self, tp: int) -> dict[LeafPath, _LeafSpec]:
+        return _leaf_specs(self.model_config, tp)
+
+    def _decode_model(self, mesh: Mesh, shape: ProgramShape) -> DecodeModel:
+        return Qwen3DecodeModel(self.model_config, shape.max_new, mesh)
+
+    def _tree(self, flat: Mapping[LeafPath, Any]) -> dict[str, Any]:
+        """The nested param tree the decode model takes."""
+        return unflatten_tree(flat)
 
     @property
     def num_replicas(self) -> int:
@@ -191,7 +218,7 @@ class JaxEngine(Engine):
         for path, leaf in flat.items():
             spec = self._leaf_specs.get(path)
             if spec is None:
-                raise ValueError(f"unknown param {'/'.join(path)}: not in the Qwen3 param tree")
+                raise ValueError(f"unknown param {'/'.join(path)}: not in the engine's param tree")
             if tuple(np.shape(leaf)) != spec.shape:
                 raise ValueError(
                     f"param {'/'.join(path)} has shape {tuple(np.shape(leaf))}, "
@@ -227,7 +254,7 @@ class JaxEngine(Engine):
 
     def weights(self, replica: int = 0) -> dict[str, Any]:
         """The param tree replica `replica` decodes with (a nested dict of jax Arrays)."""
-        return unflatten_tree(self._params[replica])
+        return self._tree(self._params[replica])
 
     def _missing_params(self) -> list[str]:
         return ["/".join(p) for p in self._leaf_specs if p not in self._params[0]]
@@ -354,7 +381,7 @@ class JaxEngine(Engine):
                 stop_ids=jax.device_put(stop_ids, replicated),
                 max_new_tokens=jax.device_put(np.int32(sampling.max_new_tokens), replicated),
             )
-            params = unflatten_tree(self._params[mesh_index])
+            params = self._tree(self._params[mesh_index])
             program = self._program(mesh_index, shape, spec, params, inputs)
             pending.append(_Pending(batch, program(params, inputs)))
             first += len(batch)
@@ -364,8 +391,8 @@ class JaxEngine(Engine):
         """The compiled program for (replica, shape, sampler), compiling it on first use."""
         cache_key = (mesh_index, shape, spec)
         if cache_key not in self._programs:
-            fn = build_program(self.model_config, shape, spec, self.masked_id,
-                               self.meshes[mesh_index])
+            model = self._decode_model(self.meshes[mesh_index], shape)
+            fn = build_program(model, shape, spec, self.masked_id)
             self._programs[cache_key] = jax.jit(fn).lower(params, inputs).compile()
         return self._programs[cache_key]
 

@@ -112,7 +112,7 @@ HONOURED: dict[str, str] = {
     "eval_batch_size": "MaxText's data pipeline (test rows per batch)",
     "test_batch_start_index": "MaxText's data pipeline (first test row)",
     # The model: built by MaxText's model_creation_utils, mapped onto Tunix Qwen3 for the engine.
-    "model_name": "MaxText's model creation (dense Qwen3 only)",
+    "model_name": "MaxText's model creation (dense Qwen3, Qwen3 MoE, gpt-oss, Gemma4)",
     "override_model_config": "MaxText's model creation",
     "base_emb_dim": "MaxText's model creation",
     "base_num_query_heads": "MaxText's model creation",
@@ -223,6 +223,8 @@ _RL_FLAT = ("num_generations", "num_iterations", "grpo_beta", "grpo_epsilon", "l
             "system_prompt", "epsilon_high", "reshard_chunk_size", "use_rollout_logps",
             "force_on_policy_ratio", "log_sampler_trainer_agreement")
 SUPPORTED_DECODER_BLOCK = "qwen3"
+# MaxText decoder blocks the maxtext engine decodes (tests/test_maxtext_engine.py per family).
+MAXTEXT_ENGINE_BLOCKS = frozenset({"qwen3", "qwen3_moe", "gpt_oss", "gemma4", "gemma4_small"})
 
 
 def changed_keys(config: Any, default: Any) -> dict[str, Any]:
@@ -252,21 +254,53 @@ def check_keys(changed: dict[str, Any]) -> dict[str, Any]:
     return {k: changed[k] for k in sorted(changed) if k in NOT_APPLICABLE}
 
 
-def check_model(config: Any) -> None:
-    """Dense Qwen3 only: MaxText trains it, the engine decodes it as Tunix Qwen3."""
+def _tunix_qwen3_mismatch(config: Any) -> str:
+    """Why the jax engine's Tunix Qwen3 cannot decode this model ("" when it can)."""
     block = getattr(config.decoder_block, "value", config.decoder_block)
     if block != SUPPORTED_DECODER_BLOCK or config.num_experts > 1:
-        raise ConfigError(
-            f"model_name={config.model_name} (decoder_block={block}, num_experts="
-            f"{config.num_experts}) is not supported by rl_runtime=mcjax yet: it trains dense "
-            "Qwen3 (decoder_block=qwen3, e.g. qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b). "
-            "Use rl_runtime=pathways for this model.")
+        return (f"decoder_block={block}, num_experts={config.num_experts}: the jax engine "
+                "decodes dense Qwen3 only (decoder_block=qwen3)")
     if tuple(config.mlp_activations) != ("silu", "linear") or not config.use_qk_norm:
-        raise ConfigError(f"model_name={config.model_name}: the engine's Qwen3 needs "
-                          "mlp_activations=[silu, linear] and use_qk_norm=true")
+        return "the jax engine's Qwen3 needs mlp_activations=[silu, linear] and use_qk_norm=true"
     if not math.isclose(config.rope_max_timescale, 1e6):
-        raise ConfigError(f"rope_max_timescale={config.rope_max_timescale}: "
-                          f"{REFUSED['rope_max_timescale']}")
+        return f"rope_max_timescale={config.rope_max_timescale}: {REFUSED['rope_max_timescale']}"
+    return ""
+
+
+def rollout_engine_for(config: Any) -> str:
+    """The adapter's engine: jax where Tunix Qwen3 decodes the model (dense Qwen3, the faster
+    engine there, see README), maxtext for every other family."""
+    return "maxtext" if _tunix_qwen3_mismatch(config) else "jax"
+
+
+def check_model(config: Any, rollout_engine: str | None = None) -> None:
+    """Raises ConfigError when `rollout_engine` (None: `rollout_engine_for(config)`) cannot
+    decode MaxText's model as MaxText trains it."""
+    engine = rollout_engine or rollout_engine_for(config)
+    block = getattr(config.decoder_block, "value", config.decoder_block)
+    if engine == "jax":
+        why = _tunix_qwen3_mismatch(config)
+        if why:
+            raise ConfigError(f"model_name={config.model_name} cannot run with "
+                              f"rollout_engine=jax: {why}. Use rollout_engine=maxtext.")
+        return
+    if block not in MAXTEXT_ENGINE_BLOCKS:
+        raise ConfigError(
+            f"model_name={config.model_name} (decoder_block={block}) is not supported by "
+            "rl_runtime=mcjax yet: its maxtext engine is tested on the families of MaxText's RL "
+            f"recipes (decoder_block {', '.join(sorted(MAXTEXT_ENGINE_BLOCKS))}: dense Qwen3, "
+            "Qwen3 MoE, gpt-oss, Gemma4). Use rl_runtime=pathways for this model.")
+    if config.use_multimodal:
+        raise ConfigError("use_multimodal=true: the maxtext engine decodes text prompts only; "
+                          "set use_multimodal=false")
+    window = config.sliding_window_size
+    if window and config.max_target_length > window:
+        raise ConfigError(
+            f"max_target_length={config.max_target_length} > sliding_window_size={window}: "
+            "MaxText 0.2.5's autoregressive attention (attention_op.generate_attention_mask) "
+            "applies the sliding window over KV-cache slots, not token positions, so its "
+            "decode would differ from the model the trainer scores once a sequence is longer "
+            f"than the window. Keep max_target_length <= {window} for {config.model_name}.")
 
 
 def per_host_data_parallelism(global_dp: int, num_hosts: int) -> int:
@@ -339,6 +373,7 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str,
         "decode_sampling_temperature": config.decode_sampling_temperature,
         "decode_sampling_top_k": max(config.decode_sampling_top_k, 0),
         "decode_sampling_nucleus_p": config.decode_sampling_nucleus_p,
+        "rollout_engine": rollout_engine_for(config),
         "rollout_tensor_parallelism": config.rollout_tensor_parallelism,
         "rollout_data_parallelism": per_host_data_parallelism(config.rollout_data_parallelism,
                                                               num_hosts),

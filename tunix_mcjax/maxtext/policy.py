@@ -1,9 +1,11 @@
-"""MaxText's Qwen3 as our trainer's `Policy`, and its weights as the engine's Tunix Qwen3 tree.
+"""MaxText's model as our trainer's `Policy`, and its weights as the engine's param tree.
 
 The model is what `train_rl` trains: built by MaxText's `model_creation_utils.from_pretrained`
-and wrapped in its Tunix adapter, on MaxText's mesh (all devices on "fsdp" by default). The
-mapping onto Tunix Qwen3 is a rename plus, with `scan_layers`, unstacking the layer axis
-(`param_scan_axis`); shapes are otherwise the same (ADAPTER_NOTES.md section 5).
+and wrapped in its Tunix adapter, on MaxText's mesh (all devices on "fsdp" by default). What the
+engine gets depends on the adapter's engine (`config_map.rollout_engine_for`): the maxtext engine
+takes MaxText's own param tree as it is; the jax engine takes Tunix Qwen3's, a rename plus, with
+`scan_layers`, unstacking the layer axis (`param_scan_axis`); shapes are otherwise the same
+(ADAPTER_NOTES.md section 5).
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ from flax.linen import partitioning as nn_partitioning
 from tunix.models.qwen3 import model as qwen3
 
 from tunix_mcjax.config import ConfigError
+from tunix_mcjax.engine.maxtext_model import drop_rngs
+from tunix_mcjax.maxtext import config_map
 from tunix_mcjax.trainer import Policy
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -63,17 +67,11 @@ def check_mesh(mesh: jax.sharding.Mesh) -> None:
 
 
 def drop_rng_state(model: nnx.Module) -> None:
-    """Removes the `nnx.Rngs` MaxText layers keep from construction.
-
-    With dropout off they are dead in the forward pass (MaxText itself drops its Dropout rngs at
-    rate 0 for this reason); without them the params are the model's only state, which is what
-    the trainer splits, optimises and checkpoints.
+    """Removes the `nnx.Rngs` MaxText layers keep from construction (`drop_rngs`), so that the
+    params are the model's only state, which is what the trainer splits, optimises and
+    checkpoints; any other state is an error.
     """
-    for _, node in list(nnx.iter_graph(model)):
-        if isinstance(node, nnx.Module) and not isinstance(node, nnx.Rngs):
-            for name, value in list(vars(node).items()):
-                if isinstance(value, nnx.Rngs):
-                    setattr(node, name, None)
+    drop_rngs(model)
     rest = nnx.state(model, nnx.Not(nnx.Param))
     if jax.tree.leaves(rest):
         paths = ["/".join(map(str, p)) for p, _ in nnx.to_flat_state(rest)]
@@ -120,20 +118,31 @@ def to_tunix_qwen3(params: nnx.State, *, num_layers: int, scan_axis: int | None,
     return tree
 
 
+def maxtext_tree(params: nnx.State) -> dict:
+    """The maxtext engine's param tree: MaxText's own, without the Tunix adapter's `base`."""
+    return nnx.to_pure_dict(params)["base"]
+
+
 def maxtext_policy(model: nnx.Module, config: Any) -> tuple[Policy, nnx.State]:
     """The trainer's view of MaxText's model, plus its params."""
     drop_rng_state(model)
     graphdef, params = nnx.split(model, nnx.Param)
-    to_engine = jax.jit(functools.partial(
-        to_tunix_qwen3, num_layers=config.num_decoder_layers,
-        scan_axis=config.param_scan_axis if config.scan_layers else None,
-        tied=config.logits_via_embedding))
+    if config_map.rollout_engine_for(config) == "maxtext":
+        to_engine = maxtext_tree
+    else:
+        to_engine = jax.jit(functools.partial(
+            to_tunix_qwen3, num_layers=config.num_decoder_layers,
+            scan_axis=config.param_scan_axis if config.scan_layers else None,
+            tied=config.logits_via_embedding))
     fwd = functools.partial(forward, rules=config.logical_axis_rules)
     return Policy(graphdef, fwd, to_engine), params
 
 
-def engine_model_config(config: Any) -> qwen3.ModelConfig:
-    """The Tunix Qwen3 ModelConfig whose param tree `to_tunix_qwen3` produces."""
+def engine_model_config(config: Any) -> Any:
+    """The engine's model config: MaxText's own config for the maxtext engine, else the Tunix
+    Qwen3 ModelConfig whose param tree `to_tunix_qwen3` produces."""
+    if config_map.rollout_engine_for(config) == "maxtext":
+        return config
     dtype, weight_dtype = (str(getattr(d, "value", d)) for d in (config.dtype, config.weight_dtype))
     if dtype not in DTYPES or weight_dtype not in DTYPES:
         raise ConfigError(f"dtype={dtype}, weight_dtype={weight_dtype}: the engine runs "

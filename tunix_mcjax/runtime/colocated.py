@@ -46,7 +46,7 @@ class Components:
     mesh: jax.sharding.Mesh  # the trainer's global mesh; batch rows shard over its "fsdp" axis
     policy: Policy
     params: Any
-    engine_model_config: Any  # the engine's Tunix Qwen3 ModelConfig
+    engine_model_config: Any  # the engine's: Tunix Qwen3 ModelConfig (jax), MaxText's (maxtext)
     optimizer: Any = None  # an optax transformation; None: `trainer.make_optimizer(cfg)`
     evaluator: Any = None  # a runtime.evaluation.Evaluator; needed when num_test_batches > 0
 

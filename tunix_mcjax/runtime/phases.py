@@ -87,25 +87,44 @@ def filter_task(task: Task, tokenizer, cfg: Config, host: int) -> tuple[Task, li
                                fields=fields), tokens
 
 
-def jax_engine(cfg: Config, model_config, devices, pad_id: int,
-               eos_ids: tuple[int, ...]) -> Engine:
-    """Our decode loop over Tunix Qwen3 (`rollout_engine=jax`)."""
-    from tunix_mcjax.engine.jax_engine import JaxEngine
-
-    return JaxEngine(
-        model_config, devices, pad_id=pad_id, eos_ids=eos_ids,
+def _engine_options(cfg: Config) -> dict:
+    """The engine settings every engine of our decode loop takes."""
+    return dict(
         max_prompt_length=cfg.max_prefill_predict_length,
         max_new_tokens=cfg.max_completion_length,
         tensor_parallelism=cfg.rollout_tensor_parallelism,
         data_parallelism=cfg.rollout_data_parallelism,
         continuous_batching=cfg.rollout_continuous_batching,
         max_batch_size=cfg.rollout_max_batch_size,
-        lockstep=cfg.rl_runtime == "single",
     )
 
 
+def jax_engine(cfg: Config, model_config, devices, pad_id: int,
+               eos_ids: tuple[int, ...]) -> Engine:
+    """Our decode loop over Tunix Qwen3 (`rollout_engine=jax`)."""
+    from tunix_mcjax.engine.jax_engine import JaxEngine
+
+    return JaxEngine(model_config, devices, pad_id=pad_id, eos_ids=eos_ids,
+                     lockstep=cfg.rl_runtime == "single", **_engine_options(cfg))
+
+
+def maxtext_engine(cfg: Config, model_config, devices, pad_id: int,
+                   eos_ids: tuple[int, ...]) -> Engine:
+    """Our decode loop over MaxText's own model (`rollout_engine=maxtext`); `model_config` is
+    the trainer's MaxText config."""
+    from tunix_mcjax.engine.maxtext_engine import MaxTextEngine
+
+    if not hasattr(model_config, "decoder_block"):
+        raise ConfigError(
+            "rollout_engine=maxtext decodes MaxText's own model, so it runs under the MaxText "
+            "adapter (rl_runtime=mcjax on MaxText's train_rl); this run's model is Tunix Qwen3: "
+            "use rollout_engine=jax")
+    return MaxTextEngine(model_config, devices, pad_id=pad_id, eos_ids=eos_ids,
+                         weight_dtype=cfg.rollout_weight_dtype or None, **_engine_options(cfg))
+
+
 # `rollout_engine` -> the builder of that engine on this host's devices.
-ENGINES = {"jax": jax_engine}
+ENGINES = {"jax": jax_engine, "maxtext": maxtext_engine}
 
 
 def default_engine(cfg: Config, model_config, devices, pad_id: int,

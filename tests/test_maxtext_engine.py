@@ -1,0 +1,255 @@
+"""The maxtext engine: MaxText's own model in its KV-cache decode modes under our decode loop.
+
+Per family (tiny shapes, CPU kernels), the engine decodes the trainer's own param tree; its
+greedy tokens are the argmax of MaxText's full forward (the trainer's policy forward) at every
+step, and its logprobs are that forward's log-softmax of the sampled token."""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from flax import nnx  # noqa: E402
+
+pytest.importorskip("maxtext")
+
+from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # noqa: E402
+
+from tunix_mcjax.config import ConfigError, load_config  # noqa: E402
+from tunix_mcjax.engine import SamplingParams  # noqa: E402
+from tunix_mcjax.engine.maxtext_engine import MaxTextEngine  # noqa: E402
+from tunix_mcjax.maxtext import config_map, load_maxtext_config, policy  # noqa: E402
+from tunix_mcjax.runtime import phases  # noqa: E402
+
+RL_YML = f"{MAXTEXT_CONFIGS_DIR}/post_train/rl.yml"
+CPU = ["weight_dtype=float32", "dtype=float32", "hardware=cpu", "attention=dot_product",
+       "megablox=false", "sparse_matmul=false", "convert_checkpoint_if_possible=false",
+       "vocab_size=512", "log_config=false", "max_prefill_predict_length=16",
+       "max_target_length=24"]
+SMALL = ["override_model_config=true", "base_emb_dim=64", "base_num_query_heads=4",
+         "base_num_kv_heads=2", "head_dim=16"]
+MOE = ["base_mlp_dim=64", "base_moe_mlp_dim=32", "num_experts=4", "num_experts_per_tok=2"]
+FAMILIES = {
+    "qwen3": ["model_name=qwen3-0.6b", *SMALL, "base_num_decoder_layers=2", "base_mlp_dim=128"],
+    "qwen3_moe": ["model_name=qwen3-30b-a3b", *SMALL, *MOE, "base_num_decoder_layers=2"],
+    "gpt_oss": ["model_name=gpt-oss-20b", *SMALL, *MOE, "base_num_decoder_layers=2",
+                "sliding_window_size=24"],
+    # Gemma4's layer pattern puts a global layer after five local ones.
+    "gemma4": ["model_name=gemma4-26b", *SMALL, *MOE, "base_num_decoder_layers=6",
+               "global_head_dim=32", "global_num_kv_heads=1", "sliding_window_size=24"],
+    # E4B: per-layer inputs and a KV-shared last layer (its donor is layer 4); no scan.
+    "gemma4_small": ["model_name=gemma4-e4b", *SMALL, "base_num_decoder_layers=7",
+                     "global_head_dim=32", "base_mlp_dim=64", "sliding_window_size=24",
+                     "hidden_size_per_layer_input=16", "vocab_size_per_layer_input=512",
+                     "num_kv_shared_layers=1", "scan_layers=false"],
+}
+FAST = ("qwen3", "qwen3_moe")
+PROMPT_LENS = (3, 9, 5, 16, 4)  # five requests through two rows: continuous batching
+MAX_NEW = 8
+
+
+def family_params(name: str) -> list:
+    marks = [] if name in FAST else [pytest.mark.slow]
+    return [pytest.param(name, marks=marks, id=name)]
+
+
+ALL = [p for name in FAMILIES for p in family_params(name)]
+
+
+def perturbed(params: nnx.State, seed: int) -> nnx.State:
+    """Random weights of some scale everywhere (MaxText's init gives near-constant argmaxes
+    and unit norm scales, which would hide a wrong cache or a skipped norm)."""
+    key = jax.random.key(seed)
+    for i, (_, var) in enumerate(nnx.to_flat_state(params)):
+        value = var.get_value()
+        noise = jax.random.normal(jax.random.fold_in(key, i), value.shape, value.dtype)
+        var.set_value(value + 0.5 * noise)
+    return params
+
+
+class World:
+    """One family: the trainer's MaxText model and params, and an engine on one local device."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.config, _ = load_maxtext_config(["", RL_YML, *FAMILIES[name], *CPU], {})
+        model, self.mesh = policy.build_model(self.config, pad_id=0)
+        self.policy, params = policy.maxtext_policy(model, self.config)
+        self.params = perturbed(params, seed=1)
+        self.engine = MaxTextEngine(
+            self.config, jax.local_devices()[:1], pad_id=0,
+            eos_ids=(), max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2)
+        self.engine.load_weights(policy.maxtext_tree(self.params))
+        rng = np.random.default_rng(0)
+        self.prompts = [rng.integers(1, 512, n).astype(np.int32) for n in PROMPT_LENS]
+
+    def logits(self, sequence: np.ndarray, params: nnx.State | None = None) -> np.ndarray:
+        """MaxText's full forward (the trainer's) on one sequence: fp32 logits [T, V]."""
+        rows = len(self.mesh.devices.flat)  # one row per fsdp device
+        t = len(sequence)
+        tokens = jnp.asarray(np.tile(sequence, (rows, 1)), jnp.int32)
+        positions = jnp.tile(jnp.arange(t, dtype=jnp.int32), (rows, 1))
+        with jax.set_mesh(self.mesh):
+            model = nnx.merge(self.policy.graphdef, params or self.params)
+            out = self.policy.forward(model, tokens, positions, jnp.ones_like(tokens))
+        return np.asarray(out[0])
+
+    def check_against_forward(self, prompt, completion, temperature=1.0, params=None):
+        """Returns the full forward's per-step logits; asserts the logprobs match them."""
+        n = len(completion.tokens)
+        logits = self.logits(np.concatenate([prompt, completion.tokens]), params)
+        steps = logits[len(prompt) - 1: len(prompt) - 1 + n]
+        logprobs = jax.nn.log_softmax(steps / temperature, axis=-1)
+        np.testing.assert_allclose(completion.logprobs,
+                                   np.asarray(logprobs)[np.arange(n), completion.tokens],
+                                   atol=1e-4, rtol=0)
+        return steps
+
+
+_WORLDS: dict[str, World] = {}
+
+
+@pytest.fixture
+def world(request) -> World:
+    name = request.param
+    if name not in _WORLDS:
+        _WORLDS.clear()  # one family's programs in memory at a time
+        _WORLDS[name] = World(name)
+    return _WORLDS[name]
+
+
+GREEDY = SamplingParams(max_new_tokens=MAX_NEW, greedy=True)
+
+
+@pytest.mark.parametrize("world", ALL, indirect=True)
+def test_greedy_decode_is_the_full_forwards_argmax(world):
+    outs = world.engine.generate(world.prompts, GREEDY, seed=0)
+    for prompt, out in zip(world.prompts, outs, strict=True):
+        assert len(out.tokens) == MAX_NEW and out.finish_reason == "length"
+        steps = world.check_against_forward(prompt, out)
+        np.testing.assert_array_equal(out.tokens, np.argmax(steps, axis=-1))
+    # Every request took a row of two: five requests, so rows were refilled mid-loop.
+    assert world.engine.compile_count == 1
+    # Uniform layer stacks decode unscanned (sliced from the trainer's stack); blocks of several
+    # layer kinds decode through MaxText's scan.
+    assert world.engine.unstack == (world.name in ("qwen3", "qwen3_moe"))
+
+
+@pytest.mark.parametrize("world", family_params("qwen3_moe"), indirect=True)
+def test_sampled_logprobs_and_per_request_seeds(world):
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.7)
+    engine = world.engine
+    first = engine.generate(world.prompts, sampling, seed=3)
+    again = engine.generate(world.prompts, sampling, seed=3)
+    other = engine.generate(world.prompts, sampling, seed=4)
+    for a, b in zip(first, again, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_array_equal(a.logprobs, b.logprobs)
+    assert any(not np.array_equal(a.tokens, c.tokens) for a, c in zip(first, other, strict=True))
+    # A request's sample depends on its index and the seed, not on the batch around it.
+    [alone] = engine.generate(world.prompts[:1], sampling, seed=3)
+    np.testing.assert_array_equal(alone.tokens, first[0].tokens)
+    for prompt, out in zip(world.prompts, first, strict=True):
+        world.check_against_forward(prompt, out, temperature=0.7)
+
+
+@pytest.mark.parametrize("world", family_params("qwen3"), indirect=True)
+def test_stop_ids_end_a_completion(world):
+    [greedy] = world.engine.generate(world.prompts[:1], GREEDY, seed=0)
+    stop = int(greedy.tokens[2])
+    cut = int(np.argmax(greedy.tokens == stop))  # its first occurrence
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, greedy=True, stop_token_ids=(stop,))
+    [out] = world.engine.generate(world.prompts[:1], sampling, seed=0)
+    np.testing.assert_array_equal(out.tokens, greedy.tokens[:cut + 1])
+    assert out.finish_reason == "stop"
+    eos_engine = MaxTextEngine(world.config, jax.local_devices()[:1], pad_id=0, eos_ids=(stop,),
+                               max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2)
+    eos_engine.load_weights(policy.maxtext_tree(world.params))
+    [out] = eos_engine.generate(world.prompts[:1], GREEDY, seed=0)
+    assert out.finish_reason == "eos" and len(out.tokens) == cut + 1
+
+
+@pytest.mark.parametrize("world", family_params("qwen3"), indirect=True)
+def test_load_weights_changes_the_output(world):
+    before = world.engine.generate(world.prompts, GREEDY, seed=0)
+    compiled = world.engine.compile_count
+    model, _ = policy.build_model(world.config, pad_id=0)
+    _, fresh = policy.maxtext_policy(model, world.config)
+    new_params = perturbed(fresh, seed=2)
+    engine = world.engine
+    try:
+        engine.load_weights(policy.maxtext_tree(new_params))
+        after = engine.generate(world.prompts, GREEDY, seed=0)
+        assert any(not np.array_equal(a.tokens, b.tokens)
+                   for a, b in zip(before, after, strict=True))
+        for prompt, out in zip(world.prompts, after, strict=True):
+            steps = world.check_against_forward(prompt, out, params=new_params)
+            np.testing.assert_array_equal(out.tokens, np.argmax(steps, axis=-1))
+        # A partial tree replaces just its leaves: the old final norm brings back other logits.
+        old_norm = policy.maxtext_tree(world.params)["decoder"]["decoder_norm"]
+        engine.load_weights({"decoder": {"decoder_norm": old_norm}})
+        partial = engine.generate(world.prompts, GREEDY, seed=0)
+        assert any(not np.array_equal(a.logprobs, p.logprobs)
+                   for a, p in zip(after, partial, strict=True))
+    finally:
+        engine.load_weights(policy.maxtext_tree(world.params))
+    assert engine.compile_count == compiled  # new weights, same programs
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 local devices")
+@pytest.mark.parametrize("world", family_params("qwen3"), indirect=True)
+def test_data_parallel_replicas_give_the_same_greedy_decode(world):
+    engine = MaxTextEngine(world.config, jax.local_devices()[:2], pad_id=0, eos_ids=(),
+                           max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2)
+    assert engine.num_replicas == 2
+    engine.load_weights(policy.maxtext_tree(world.params))
+    replicas = engine.generate(world.prompts, GREEDY, seed=0)
+    single = world.engine.generate(world.prompts, GREEDY, seed=0)
+    for a, b in zip(replicas, single, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+# --- which engine decodes which family ------------------------------------------------------
+
+def maxtext_config(name: str, *extra: str):
+    return load_maxtext_config(["", RL_YML, *FAMILIES[name], *CPU, *extra], {})[0]
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_family_is_accepted_with_the_maxtext_engine(name):
+    config = maxtext_config(name)
+    expected = "jax" if name == "qwen3" else "maxtext"
+    assert config_map.rollout_engine_for(config) == expected
+    config_map.check_model(config)
+    config_map.check_model(config, "maxtext")
+    assert (policy.engine_model_config(config) is config) == (expected == "maxtext")
+
+
+def test_what_cannot_run_is_refused_by_name():
+    with pytest.raises(ConfigError, match=r"qwen3-30b-a3b cannot run with rollout_engine=jax.*"
+                                          r"decoder_block=qwen3_moe.*rollout_engine=maxtext"):
+        config_map.check_model(maxtext_config("qwen3_moe"), "jax")
+    llama = load_maxtext_config(["", RL_YML, "model_name=llama3.1-8b", "log_config=false"], {})[0]
+    with pytest.raises(ConfigError, match=r"decoder_block=llama2\) is not supported"):
+        config_map.check_model(llama)
+    too_long = maxtext_config("gpt_oss").model_copy(update={"max_target_length": 32})
+    with pytest.raises(ConfigError, match=r"max_target_length=32 > sliding_window_size=24.*"
+                                          r"KV-cache slots, not token positions"):
+        config_map.check_model(too_long)
+    with pytest.raises(ValueError, match="sliding_window_size=24"):
+        MaxTextEngine(too_long, jax.local_devices()[:1], pad_id=0, eos_ids=(),
+                      max_prompt_length=16, max_new_tokens=16)
+
+
+def test_rollout_engine_key():
+    assert set(phases.ENGINES) >= {"jax", "maxtext"}
+    with pytest.raises(ConfigError, match="rl_runtime=single's lockstep baseline"):
+        load_config(None, {"rollout_engine": "maxtext", "rl_runtime": "single"})
+    cfg = load_config(None, {"rollout_engine": "maxtext"})
+    with pytest.raises(ConfigError, match="runs under the MaxText adapter"):
+        phases.default_engine(cfg, object(), jax.local_devices()[:1], 0, ())
