@@ -133,8 +133,11 @@ def _layer_slice(leaf: Any, index: int, axis: int) -> Any:
     devices = np.array([s.device for s in copies])
     sharding = jax.sharding.NamedSharding(Mesh(devices, ("local",)), PartitionSpec())
     shape = leaf.shape[:axis] + leaf.shape[axis + 1:]
-    return jax.make_array_from_single_device_arrays(
-        shape, sharding, [jnp.take(s.data, index, axis=axis) for s in copies])
+    slices = []
+    for s in copies:  # each under its own device's mesh, not the caller's (the trainer's) mesh
+        with jax.set_mesh(Mesh(np.array([s.device]), ("local",))):
+            slices.append(jnp.take(s.data, index, axis=axis))
+    return jax.make_array_from_single_device_arrays(shape, sharding, slices)
 
 
 def unstack_layers(flat: dict[tuple[str, ...], Any], num_layers: int,

@@ -52,6 +52,8 @@ def load_maxtext_config(argv: Sequence[str], kwargs: dict) -> tuple[Any, Any]:
     from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
 
     config = pyconfig.initialize_pydantic(list(argv), config_class=types.RLConfig, **kwargs)
+    config = config.model_copy(update={
+        "load_parameters_path": absolute_path(config.load_parameters_path)})
     rl_yml = os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "rl.yml")
     with _without_maxtext_env():
         default = pyconfig.initialize_pydantic(
@@ -59,6 +61,16 @@ def load_maxtext_config(argv: Sequence[str], kwargs: dict) -> tuple[Any, Any]:
              f"base_output_directory={config.base_output_directory}"],
             config_class=types.RLConfig)
     return config, default
+
+
+def absolute_path(path: str) -> str:
+    """A local path made absolute (Orbax reads absolute paths only); URLs (gs://...) and ""
+    as they are. Paths go through etils.epath, as MaxText and Orbax read them."""
+    from etils import epath
+
+    if not path or "://" in path:
+        return path
+    return str(epath.Path(path).absolute())
 
 
 @contextlib.contextmanager

@@ -140,6 +140,8 @@ HONOURED: dict[str, str] = {
         "sa_block_q_dkv", "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "use_iota_embed",
         "decoder_layer_input", "num_experts", "num_experts_per_tok", "base_moe_mlp_dim",
         "shared_experts", "capacity_factor", "sliding_window_size", "num_vocab_tiling",
+        "global_head_dim", "global_num_kv_heads", "hidden_size_per_layer_input",
+        "vocab_size_per_layer_input", "num_kv_shared_layers", "ici_tensor_parallelism",
     ), "MaxText's model creation"),
     "skip_jax_distributed_system": "always skipped: this runtime initialises jax.distributed",
 }

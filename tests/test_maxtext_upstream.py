@@ -1,0 +1,70 @@
+"""MaxText's own four RL recipe scripts, unchanged, on CPU under rl_runtime=mcjax: each
+script's MAXTEXT_COMMAND (read from the installed script, split as its shell would) with its
+CPU variant's .args appended, through `python -m tunix_mcjax.maxtext.launch` on 2 hosts x 1
+device. Qwen3-30B-A3B (MoE) runs in the default suite, the other three are `slow`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+pytest.importorskip("maxtext")
+
+from tests.mp import REPO, read_jsonl  # noqa: E402
+from tunix_mcjax.maxtext import recipes  # noqa: E402
+
+PREPARE = REPO / "recipes/maxtext/cpu/upstream/prepare.sh"
+# The keys the issue forbids a CPU variant to override: the algorithm stays the script's.
+ALGORITHM = ("rl.num_generations", "rl.grpo_beta", "rl.grpo_epsilon", "rl.num_iterations",
+             "rl.loss_algo", "decode_sampling_", "gradient_clipping_threshold")
+
+
+def recipe_params():
+    for name in recipes.UPSTREAM:
+        marks = [] if name == "run_qwen3_30b_rl" else [pytest.mark.slow]
+        yield pytest.param(name, marks=marks, id=name)
+
+
+@pytest.mark.parametrize("name", recipes.UPSTREAM)
+def test_cpu_args_leave_the_algorithm_alone(name):
+    env, script_args = recipes.script_command(name)
+    assert script_args[-1] == "rl_runtime=mcjax"  # the one-key switch, RL_RUNTIME=mcjax
+    overridden = [a.split("=", 1)[0] for a in recipes.cpu_args(name)]
+    assert not [k for k in overridden if k.startswith(ALGORITHM)]
+    assert "rl_runtime" not in overridden
+
+
+@pytest.mark.parametrize("name", recipe_params())
+def test_upstream_recipe_runs_on_two_cpu_hosts(name, tmp_path):
+    prep = subprocess.run(["bash", str(PREPARE), name], cwd=REPO, capture_output=True,
+                          text=True, timeout=600,
+                          env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO)})
+    assert prep.returncode == 0, prep.stdout[-3000:] + prep.stderr[-3000:]
+    env, args = recipes.cpu_command(name)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tunix_mcjax.maxtext.launch", "--hosts", "2",
+         "--devices-per-host", "1", *args, f"base_output_directory={tmp_path}"],
+        cwd=REPO, capture_output=True, text=True, timeout=1500,
+        env={**os.environ, **env, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
+
+    run_dir = tmp_path / recipes.SCRIPT_ENV["RUN_NAME"]
+    steps = read_jsonl(run_dir / "steps.jsonl")
+    assert [s["step"] for s in steps] == [0, 1]
+    assert all(np.isfinite(s["loss"]) for s in steps)
+    # MaxText's schedule: before training (on the first step's record) and after the last.
+    assert set(steps[0]["eval"]) == {"pre"} and set(steps[-1]["eval"]) == {"post"}
+    for result in (steps[0]["eval"]["pre"], steps[-1]["eval"]["post"]):
+        assert result["total"] == 2 and 0 <= result["accuracy"] <= 100
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert [e["when"] for e in summary["eval"]] == ["pre", "post"]
+    for host in (0, 1):
+        facts = json.loads((run_dir / f"maxtext_adapter_host{host}.json").read_text())
+        assert facts["modules_imported"] == {"vllm": False, "tpu_inference": False}
+        assert facts["config"]["rollout_engine"] == "maxtext"
+    assert "eval post" in proc.stdout
