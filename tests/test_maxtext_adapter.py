@@ -197,15 +197,15 @@ def test_pathways_and_vllm_settings_are_reported_not_applied():
 def test_unsupported_settings_are_refused_by_name(monkeypatch):
     with pytest.raises(ConfigError) as err:
         checked_config(maxtext_argv("max_seq_token_per_tpu=4096", "rl.num_iterations=2",
-                                    "attention=autoselected", "max_target_length=2048"), {}, 1)
+                                    "quantization=int8", "max_target_length=2048"), {}, 1)
     msg = str(err.value)
     for key in ("max_seq_token_per_tpu=4096", "rl.num_iterations=2",
-                "attention='autoselected'", "token-budget micro-batching", "GRPO mu"):
+                "quantization='int8'", "token-budget micro-batching", "GRPO mu"):
         assert key in msg
     assert "max_target_length" not in msg  # honoured, so not named
     # Also through MaxText's `M_<KEY>` environment overrides.
-    monkeypatch.setenv("M_DROPOUT_RATE", "0.1")
-    with pytest.raises(ConfigError, match="dropout_rate=0.1: the policy trains without dropout"):
+    monkeypatch.setenv("M_MAX_SEQ_TOKEN_PER_TPU", "4096")
+    with pytest.raises(ConfigError, match="max_seq_token_per_tpu=4096: no token-budget"):
         checked_config(maxtext_argv(), {}, 1)
 
 

@@ -248,7 +248,7 @@ def check_keys(changed: dict[str, Any]) -> dict[str, Any]:
 
     refused = [k for k in sorted(changed) if not accepted(k)]
     if refused:
-        lines = [f"  {k}={changed[k]!r}: "
+        lines = [f"  {k}={_value(changed[k])!r}: "
                  f"{REFUSED.get(k, 'not supported under rl_runtime=mcjax yet')}" for k in refused]
         raise ConfigError(
             "rl_runtime=mcjax cannot honour these MaxText settings:\n" + "\n".join(lines)
