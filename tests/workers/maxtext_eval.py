@@ -63,13 +63,15 @@ class ScriptedCluster:
 
 
 def scripted_texts(rows: dict[str, list[str]], passes: int) -> list[list[str]]:
-    """Right answers on alternate passes, the format always right but for the first prompt."""
+    """The right answer on alternate passes, no answer on the others; the first prompt's right
+    answers lack the reasoning block (wrong format). No answer is a near miss, so MaxText's
+    math-verify process pool (slow to spawn here) is never needed."""
     texts = []
     for j, answer in enumerate(rows["answer"]):
         right = json.loads(answer)[0]
-        texts.append([("" if j == 0 else "<reasoning>sum</reasoning>")
-                      + f"<answer>{right if (j + p) % 2 == 0 else '12345'}</answer>"
-                      for p in range(passes)])
+        reasoning = "" if j == 0 else "<reasoning>sum</reasoning>"
+        texts.append([f"{reasoning}<answer>{right}</answer>" if (j + p) % 2 == 0
+                      else "<reasoning>sum</reasoning>no idea" for p in range(passes)])
     return texts
 
 
