@@ -6,6 +6,7 @@ step, and its logprobs are that forward's log-softmax of the sampled token."""
 
 from __future__ import annotations
 
+import json
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
@@ -20,10 +21,12 @@ pytest.importorskip("maxtext")
 
 from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # noqa: E402
 
+from tests.mp import REPO, launch_worker, read_jsonl  # noqa: E402
 from tunix_mcjax.config import ConfigError, load_config  # noqa: E402
 from tunix_mcjax.engine import SamplingParams  # noqa: E402
 from tunix_mcjax.engine.maxtext_engine import MaxTextEngine  # noqa: E402
 from tunix_mcjax.maxtext import config_map, load_maxtext_config, policy  # noqa: E402
+from tunix_mcjax.publish import Publisher  # noqa: E402
 from tunix_mcjax.runtime import phases  # noqa: E402
 
 RL_YML = f"{MAXTEXT_CONFIGS_DIR}/post_train/rl.yml"
@@ -42,6 +45,10 @@ FAMILIES = {
     # Gemma4's layer pattern puts a global layer after five local ones.
     "gemma4": ["model_name=gemma4-26b", *SMALL, *MOE, "base_num_decoder_layers=6",
                "global_head_dim=32", "global_num_kv_heads=1", "sliding_window_size=24"],
+    # As MaxText's gemma4-26b RL recipe runs it.
+    "gemma4_unscanned": ["model_name=gemma4-26b", *SMALL, *MOE, "base_num_decoder_layers=6",
+                         "global_head_dim=32", "global_num_kv_heads=1", "sliding_window_size=24",
+                         "scan_layers=false"],
     # E4B: per-layer inputs and a KV-shared last layer (its donor is layer 4); no scan.
     "gemma4_small": ["model_name=gemma4-e4b", *SMALL, "base_num_decoder_layers=7",
                      "global_head_dim=32", "base_mlp_dim=64", "sliding_window_size=24",
@@ -203,15 +210,64 @@ def test_load_weights_changes_the_output(world):
 
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 local devices")
 @pytest.mark.parametrize("world", family_params("qwen3"), indirect=True)
-def test_data_parallel_replicas_give_the_same_greedy_decode(world):
+def test_publish_loads_the_trainers_replicated_params_in_place(world):
+    """As the runtime publishes: FSDP params resharded to replicated over the trainer's mesh,
+    loaded under that mesh, in one call (O4) or one leaf at a time; each local device's copy
+    is sliced into the engine's unscanned layers on that device."""
+    expected = world.engine.generate(world.prompts, GREEDY, seed=0)
     engine = MaxTextEngine(world.config, jax.local_devices()[:2], pad_id=0, eos_ids=(),
                            max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2)
-    assert engine.num_replicas == 2
+    assert engine.unstack and engine.num_replicas == 2
+    for single_call in (True, False):
+        publisher = Publisher(world.mesh, single_call)
+        publisher.publish(policy.maxtext_tree(world.params), engine)
+        got = engine.generate(world.prompts, GREEDY, seed=0)
+        for a, b in zip(got, expected, strict=True):
+            np.testing.assert_array_equal(a.tokens, b.tokens)
+        layer = engine.weights(1)["decoder"]["layers_1"]["mlp"]["wi_0"]["kernel"]
+        assert layer.devices() == {jax.local_devices()[1]}
+
+
+@pytest.mark.skipif(len(jax.devices()) < 2, reason="needs 2 local devices")
+@pytest.mark.parametrize("world", family_params("qwen3"), indirect=True)
+@pytest.mark.parametrize("dp,tp", [(2, 1), (1, 2)], ids=["dp2", "tp2"])
+def test_replicas_and_tensor_parallelism_give_the_same_greedy_decode(world, dp, tp):
+    engine = MaxTextEngine(world.config, jax.local_devices()[:2], pad_id=0, eos_ids=(),
+                           max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2,
+                           tensor_parallelism=tp)
+    assert engine.num_replicas == dp and engine.meshes[0].shape["tensor"] == tp
     engine.load_weights(policy.maxtext_tree(world.params))
-    replicas = engine.generate(world.prompts, GREEDY, seed=0)
+    parallel = engine.generate(world.prompts, GREEDY, seed=0)
     single = world.engine.generate(world.prompts, GREEDY, seed=0)
-    for a, b in zip(replicas, single, strict=True):
+    for a, b in zip(parallel, single, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
+
+
+# --- the runtime on 2 hosts with the maxtext engine --------------------------------------------
+
+@pytest.mark.slow
+def test_maxtext_components_run_on_two_hosts_with_the_maxtext_engine(tmp_path):
+    """MaxText's tiny Qwen3 MoE, its data and rewards: 2 steps on 2 hosts, weights published
+    into each host's maxtext engine after every update (one call, O4)."""
+    lines = (REPO / "recipes/maxtext/cpu/qwen3_tiny.args").read_text().splitlines()
+    recipe = [a.strip() for a in lines if a.strip() and not a.startswith("#")]
+    recipe = [a for a in recipe if not a.startswith(("model_name=", "base_mlp_dim=", "num_"))]
+    overrides = [*recipe, "model_name=qwen3-30b-a3b", *MOE, "megablox=false",
+                 "sparse_matmul=false", "attention=dot_product", "num_batches=2",
+                 "num_test_batches=0", "enable_checkpointing=false",
+                 "rl_publish_weights_single_call=true", f"base_output_directory={tmp_path}"]
+    res = launch_worker("tests.workers.maxtext_engine_run", RL_YML, overrides, hosts=2,
+                        devices=1, timeout=900)
+    assert res.returncode == 0, res.stdout[-4000:] + res.stderr[-4000:]
+    run_dir = tmp_path / "maxtext-qwen3-tiny"
+    steps = read_jsonl(run_dir / "steps.jsonl")
+    assert [s["step"] for s in steps] == [0, 1]
+    assert all(np.isfinite(s["loss"]) for s in steps)
+    for host in (0, 1):
+        facts = json.loads((run_dir / f"maxtext_adapter_host{host}.json").read_text())
+        assert facts["config"]["rollout_engine"] == "maxtext"
+        assert facts["modules_imported"] == {"vllm": False, "tpu_inference": False}
 
 
 # --- which engine decodes which family ------------------------------------------------------

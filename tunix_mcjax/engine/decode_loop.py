@@ -7,6 +7,9 @@ ends takes the next waiting request in the same loop iteration by copying that r
 prompt from the store, so the whole share decodes as one batch without waves. The loop stops
 as soon as no row is active and no request waits.
 
+The model is a `DecodeModel`: Tunix Qwen3 (`Qwen3DecodeModel`, the jax engine) or MaxText's
+own model in its KV-cache decode modes (`engine.maxtext_model`, the maxtext engine).
+
 Randomness is per request and token: token j of request i uses
 `fold_in(fold_in(key, first_request_index + i), j)`, so a request's sample does not depend on
 its batch, its row or when it was admitted.

@@ -8,7 +8,10 @@ cache as it owns the Qwen3 one. Per attention layer MaxText keeps a prefill cach
 max_prefill_predict_length` slots, one write index shared by all rows); segment ids mark the
 valid slots of each row, positions come from the caller, so rows decode at their own positions.
 Admitting a request into a row copies the prompt's prefill cache into the row and clears the
-row's ring segment ids, as maxengine's `insert` does.
+row's ring segment ids, as maxengine's `insert` does. The ring has one slot per new token of the
+program, and a request feeds at most max_new - 1 tokens back, so wherever the shared index stands
+when it is admitted, it never overwrites its own entries. Prefill runs MaxText's batch-1 prefill
+vectorised over the distinct prompts.
 """
 
 from __future__ import annotations
@@ -130,13 +133,13 @@ def _layer_slice(leaf: Any, index: int, axis: int) -> Any:
             raise ValueError("a jax Array param must be replicated over this host's devices "
                              "(or fully addressable); reshard it to replicated first")
         return jnp.take(leaf, index, axis=axis)
+    slices = []
+    for shard in copies:  # on its own device, whatever global mesh the caller has set
+        with jax.set_mesh(Mesh(np.array([shard.device]), ("local",))):
+            slices.append(jnp.take(shard.data, index, axis=axis))
     devices = np.array([s.device for s in copies])
     sharding = jax.sharding.NamedSharding(Mesh(devices, ("local",)), PartitionSpec())
     shape = leaf.shape[:axis] + leaf.shape[axis + 1:]
-    slices = []
-    for s in copies:  # each under its own device's mesh, not the caller's (the trainer's) mesh
-        with jax.set_mesh(Mesh(np.array([s.device]), ("local",))):
-            slices.append(jnp.take(s.data, index, axis=axis))
     return jax.make_array_from_single_device_arrays(shape, sharding, slices)
 
 
