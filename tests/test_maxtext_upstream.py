@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 import subprocess
 import sys
 
@@ -22,6 +23,23 @@ PREPARE = REPO / "recipes/maxtext/cpu/upstream/prepare.sh"
 # The keys the issue forbids a CPU variant to override: the algorithm stays the script's.
 ALGORITHM = ("rl.num_generations", "rl.grpo_beta", "rl.grpo_epsilon", "rl.num_iterations",
              "rl.loss_algo", "decode_sampling_", "gradient_clipping_threshold")
+
+
+def tensorboard_tags(directory) -> set[str]:
+    """Scalar tags in the TensorBoard event files directly under `directory` (TFRecord framing:
+    length, its CRC, the Event proto, its CRC)."""
+    from tensorboardX.proto import event_pb2
+
+    tags = set()
+    for path in directory.glob("events.out.tfevents.*"):
+        data, i = path.read_bytes(), 0
+        while i < len(data):
+            (n,) = struct.unpack("<Q", data[i:i + 8])
+            event = event_pb2.Event()
+            event.ParseFromString(data[i + 12:i + 12 + n])
+            tags |= {v.tag for v in event.summary.value}
+            i += 12 + n + 4
+    return tags
 
 
 def recipe_params():
@@ -68,3 +86,10 @@ def test_upstream_recipe_runs_on_two_cpu_hosts(name, tmp_path):
         assert facts["modules_imported"] == {"vllm": False, "tpu_inference": False}
         assert facts["config"]["rollout_engine"] == "maxtext"
     assert "eval post" in proc.stdout
+    # MaxText's enable_tensorboard default: host 0's scalars, the evaluation's included.
+    assert {"rl/reward", "rl/loss", "rl/kl", "phase/train_s", "eval/pre/accuracy",
+            "eval/post/accuracy"} <= tensorboard_tags(run_dir / "tensorboard")
+    if "profiler=xplane" in args:  # one trace per host of the profiled steps
+        for host in (0, 1):
+            assert list((run_dir / "tensorboard" / f"host_{host}").glob(
+                "plugins/profile/*/*.xplane.pb"))
