@@ -34,9 +34,9 @@ def test_maxtext_vllm_keys_are_honoured_under_rollout_engine_vllm():
 def test_maxtext_vllm_keys_do_not_apply_to_the_jax_engine():
     _, cfg, not_applied = checked_config(maxtext_argv(*VLLM_SETTINGS), {}, 1)
     assert cfg.rollout_engine == "jax"
-    assert set(not_applied) == {"hbm_utilization_vllm", "max_num_seqs",
-                                "max_num_batched_tokens", "enable_dp_attention",
-                                "async_scheduling"}
+    assert set(not_applied) == {"hbm_utilization_vllm", "max_num_batched_tokens",
+                                "enable_dp_attention", "async_scheduling"}
+    assert cfg.rollout_max_batch_size == 32  # max_num_seqs has an equivalent in every engine
 
 
 def test_rollout_engine_vllm_needs_the_single_call_publish():
@@ -45,12 +45,13 @@ def test_rollout_engine_vllm_needs_the_single_call_publish():
 
 
 def test_one_table_holds_the_vllm_keys():
-    assert set(config_map.VLLM_KEYS) <= config_map.NOT_APPLICABLE
+    assert set(config_map.VLLM_ENGINE_KEYS) <= config_map.NOT_APPLICABLE
+    assert set(config_map.VLLM_ENGINE_KEYS) <= set(config_map.VLLM_KEYS)
     argv, kwargs, engine = config_map.pop_rollout_engine(
         ["", "rl.yml", "rollout_engine=vllm", "batch_size=2"], {"x": 1})
     assert (argv, kwargs, engine) == (["", "rl.yml", "batch_size=2"], {"x": 1}, "vllm")
     assert json.dumps(config_map.vllm_values(type("C", (), {
-        "hbm_utilization_vllm": 0.72, "max_num_seqs": None, "max_num_batched_tokens": None,
+        "hbm_utilization_vllm": 0.72, "max_num_batched_tokens": None,
         "enable_dp_attention": False, "async_scheduling": True, "vllm_additional_config": {},
         "vllm_hf_overrides": {}})()), sort_keys=True) == json.dumps(
         {"async_scheduling": True, "enable_dp_attention": False, "hbm_utilization_vllm": 0.72})

@@ -11,19 +11,22 @@ function of the step, so it continues the same stream.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+from etils import epath
 
 from tunix_mcjax.config import Config, ConfigError, algorithm_fingerprint, fingerprint_mismatch
 
 
 class Checkpointer:
-    def __init__(self, directory: Path, max_to_keep: int):
-        self.directory = directory.absolute()
+    def __init__(self, directory: epath.PathLike, max_to_keep: int):
+        """`directory`: any path Orbax takes (local, gs://), through etils.epath."""
+        path = epath.Path(directory)
+        # epath's absolute() would prefix a URL (gs://...) with the working directory.
+        self.directory = path if "://" in str(directory) else path.absolute()
         self.manager = ocp.CheckpointManager(
             self.directory, item_handlers=ocp.StandardCheckpointHandler(),
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from etils import epath
 
 
 class ConfigError(ValueError):
@@ -157,6 +158,24 @@ class Config:
     # false: one such prompt is an error.
     filter_long_prompts: bool = True
 
+    # --- MaxText recipes: evaluation, profiler, TensorBoard (MaxText's names and meanings) ---
+    # Evaluation batches (MaxText's num_test_batches; 0: none). Evaluation runs before the first
+    # step, every eval_interval steps and after the last; it needs an evaluator (the MaxText
+    # adapter builds one from MaxText's eval_* keys).
+    num_test_batches: int = 0
+    # Steps between evaluations during training; <= 0: only before and after training.
+    eval_interval: int = -1
+    # "" (off) | xplane: a JAX profiler trace per host under <run dir>/tensorboard/host_<h>.
+    profiler: str = ""
+    # Steps run before the trace starts, counted from the run's first step (a resume's too).
+    skip_first_n_steps_for_profiler: int = 1
+    # Steps the trace covers (it ends at the last step at the latest).
+    profiler_steps: int = 5
+    # Host 0 writes TensorBoard scalars (reward, accuracy, loss, KL, phase times, evaluation)
+    # under <run dir>/tensorboard, flushed every log_period steps.
+    enable_tensorboard: bool = False
+    # --- end MaxText recipes ---
+
     # Derived sizes.
     @property
     def max_completion_length(self) -> int:
@@ -167,11 +186,12 @@ class Config:
         return self.batch_size * self.num_generations
 
     @property
-    def run_dir(self) -> Path:
-        return Path(self.base_output_directory) / self.run_name
+    def run_dir(self) -> epath.Path:
+        """base_output_directory/run_name, through etils.epath (local paths, gs://, ...)."""
+        return epath.Path(self.base_output_directory) / self.run_name
 
     @property
-    def checkpoint_dir(self) -> Path:
+    def checkpoint_dir(self) -> epath.Path:
         return self.run_dir / "checkpoints"
 
     def replace(self, **changes: Any) -> Config:
@@ -209,7 +229,8 @@ RUNTIME_ONLY_KEYS = frozenset({
     "rl_publish_weights_single_call", "rl_metrics_queue_size",
     "collective_timeout_s", "compile_timeout_s", "max_nonfinite_steps",
     "rollout_continuous_batching", "rollout_max_batch_size", "rollout_data_parallelism",
-    "fsdp_gather_params_once",
+    "fsdp_gather_params_once", "num_test_batches", "eval_interval", "profiler",
+    "skip_first_n_steps_for_profiler", "profiler_steps", "enable_tensorboard",
 })
 
 
@@ -240,6 +261,7 @@ _CHOICES = {
     "rollout_weight_dtype": ("", "float32", "bfloat16"),
     "fsdp_gather_params_once": ("auto", "true", "false"),
     "remat_policy": ("none", "full"),
+    "profiler": ("", "xplane"),
 }
 # String keys that also take a YAML boolean (true/false), read as "true"/"false".
 _BOOL_OR_CHOICE = ("fsdp_gather_params_once",)
@@ -432,5 +454,24 @@ def _validate(cfg: Config) -> None:
     if cfg.train_logits_chunk_tokens < 0:
         raise ConfigError(f"train_logits_chunk_tokens must be >= 0 (0: no chunking), got "
                           f"{cfg.train_logits_chunk_tokens}")
+    _validate_recipe_keys(cfg)
     if cfg.tokenizer_type == "huggingface" and not cfg.tokenizer_path:
         raise ConfigError("tokenizer_type=huggingface needs tokenizer_path=<dir with tokenizer>")
+
+
+def _validate_recipe_keys(cfg: Config) -> None:
+    """Evaluation and profiler keys (MaxText's checks, with the fix named)."""
+    if cfg.num_test_batches < 0:
+        raise ConfigError(f"num_test_batches must be >= 0 (0: no evaluation), got "
+                          f"{cfg.num_test_batches}")
+    if cfg.profiler:
+        if cfg.skip_first_n_steps_for_profiler < 0 or cfg.profiler_steps < 1:
+            raise ConfigError(
+                f"profiler={cfg.profiler} needs skip_first_n_steps_for_profiler >= 0 and "
+                f"profiler_steps >= 1, got {cfg.skip_first_n_steps_for_profiler} and "
+                f"{cfg.profiler_steps}")
+        if cfg.skip_first_n_steps_for_profiler >= cfg.steps:
+            raise ConfigError(
+                f"profiler={cfg.profiler}: skip_first_n_steps_for_profiler="
+                f"{cfg.skip_first_n_steps_for_profiler} starts the trace past the last of "
+                f"steps={cfg.steps} (MaxText refuses this too). Lower it below {cfg.steps}.")

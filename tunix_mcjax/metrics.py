@@ -1,4 +1,8 @@
-"""Phase timers, per-step records, JSONL export, and O1's background exporter."""
+"""Phase timers, per-step records, JSONL and TensorBoard export, and O1's background exporter.
+
+Files go through etils.epath, the path layer MaxText and Orbax use, so a run directory may be
+local or in a bucket (gs://...).
+"""
 
 from __future__ import annotations
 
@@ -9,9 +13,10 @@ import threading
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from pathlib import Path
+from typing import Any
 
 import numpy as np
+from etils import epath
 
 PHASES = ("admit", "generate", "reward", "pack", "train", "publish")
 
@@ -69,15 +74,25 @@ def global_record(step: int, per_host: np.ndarray, prompt_indices: list[int]) ->
 
 
 def progress_line(rec: dict) -> str:
+    """The step's line, then one line per evaluation that ran after it."""
+    from tunix_mcjax.runtime.evaluation import eval_lines
+
     phases = " ".join(f"{p}={rec['phase_s'][p]:.2f}" for p in PHASES)
-    return (f"step {rec['step']:4d} | reward {rec['reward_mean']:.3f} | acc "
+    step = (f"step {rec['step']:4d} | reward {rec['reward_mean']:.3f} | acc "
             f"{rec['accuracy']:.3f} | {rec['step_s']:.2f}s | {phases}")
+    return "\n".join([step, *eval_lines(rec)])
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def read_jsonl(path: epath.PathLike) -> list[dict]:
+    path = epath.Path(path)
     if not path.is_file():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def is_url(path: epath.PathLike) -> bool:
+    """An object-store path (gs://...): written whole, since objects cannot be appended to."""
+    return "://" in str(path)
 
 
 class JsonlSink:
@@ -88,23 +103,65 @@ class JsonlSink:
     left by an earlier, interrupted run are dropped first: every step appears once.
     """
 
-    def __init__(self, path: Path, first_step: int = 0):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        kept = [r for r in read_jsonl(path) if r["step"] < first_step]
-        path.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    def __init__(self, path: epath.PathLike, first_step: int = 0):
+        self.path = epath.Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in read_jsonl(self.path) if r["step"] < first_step]
+        self._lines = [json.dumps(r) + "\n" for r in kept]
+        self.path.write_text("".join(self._lines))
         self.kept = kept
         self._lock = threading.Lock()
-        self._file = path.open("a")
+        self._file = None if is_url(self.path) else self.path.open("a")
 
     def __call__(self, record: dict) -> None:
         line = json.dumps(record) + "\n"
         with self._lock:
-            self._file.write(line)
-            self._file.flush()
+            if self._file is None:
+                self._lines.append(line)
+                self.path.write_text("".join(self._lines))
+            else:
+                self._file.write(line)
+                self._file.flush()
 
     def close(self) -> None:
         with self._lock:
-            self._file.close()
+            if self._file is not None:
+                self._file.close()
+
+
+# Step-record scalars -> TensorBoard tags.
+TB_SCALARS = {"reward_mean": "rl/reward", "accuracy": "rl/accuracy", "loss": "rl/loss",
+              "kl": "rl/kl", "grad_norm": "rl/grad_norm", "step_s": "perf/step_s",
+              "completion_len_mean": "rl/completion_len_mean",
+              "tokens_generated": "perf/tokens_generated"}
+TB_EVAL = ("accuracy", "partial_accuracy", "format_accuracy", "mean_reward")
+
+
+class TensorBoard:
+    """Host 0's TensorBoard scalars under `<run dir>/tensorboard` (tensorboardX, the writer
+    MaxText uses), flushed every `flush_every` steps and at close."""
+
+    def __init__(self, directory: epath.PathLike, flush_every: int):
+        from tensorboardX import SummaryWriter
+
+        self.writer = SummaryWriter(str(directory))
+        self.flush_every = flush_every
+
+    def write(self, rec: dict[str, Any]) -> None:
+        step = rec["step"]
+        for key, tag in TB_SCALARS.items():
+            if key in rec:
+                self.writer.add_scalar(tag, float(rec[key]), step)
+        for phase, seconds in rec["phase_s"].items():
+            self.writer.add_scalar(f"phase/{phase}_s", seconds, step)
+        for label, result in rec.get("eval", {}).items():
+            for key in TB_EVAL:
+                self.writer.add_scalar(f"eval/{label}/{key}", result[key], result["steps_done"])
+        if step % self.flush_every == 0:
+            self.writer.flush()
+
+    def close(self) -> None:
+        self.writer.close()
 
 
 class Exporter:

@@ -17,7 +17,7 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from tunix_mcjax import topology
+from tunix_mcjax import logs, topology
 from tunix_mcjax.config import Config
 
 FACTS_FILE = "maxtext_adapter_host{host}.json"
@@ -28,10 +28,22 @@ def main(argv: Sequence[str], kwargs: dict | None = None) -> None:
     """MaxText's `rl_runtime=mcjax`: `argv` is train_rl's (program, [config.yml], key=value...)."""
     from tunix_mcjax.run import guarded
 
+    quiet = not full_logs(argv, kwargs or {})
+    if quiet:
+        logs.quiet_library_logs()
     topo = topology.initialize_from_env()
+    if quiet and not topo.is_leader:
+        logs.quiet_library_logs(errors_only=True)
     code = guarded(topo, lambda: run(argv, kwargs or {}, topo))
     if code:
         sys.exit(code)
+
+
+def full_logs(argv: Sequence[str], kwargs: dict) -> bool:
+    """MaxText's `debug=true`: every library's logs, as MaxText prints them (see `logs`)."""
+    from maxtext.configs import pyconfig
+
+    return str(pyconfig.read_raw_key(list(argv), "debug", **kwargs)).lower() == "true"
 
 
 def load_maxtext_config(argv: Sequence[str], kwargs: dict) -> tuple[Any, Any]:
@@ -40,6 +52,8 @@ def load_maxtext_config(argv: Sequence[str], kwargs: dict) -> tuple[Any, Any]:
     from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
 
     config = pyconfig.initialize_pydantic(list(argv), config_class=types.RLConfig, **kwargs)
+    config = config.model_copy(update={
+        "load_parameters_path": absolute_path(config.load_parameters_path)})
     rl_yml = os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "rl.yml")
     with _without_maxtext_env():
         default = pyconfig.initialize_pydantic(
@@ -47,6 +61,16 @@ def load_maxtext_config(argv: Sequence[str], kwargs: dict) -> tuple[Any, Any]:
              f"base_output_directory={config.base_output_directory}"],
             config_class=types.RLConfig)
     return config, default
+
+
+def absolute_path(path: str) -> str:
+    """A local path made absolute (Orbax reads absolute paths only); URLs (gs://...) and ""
+    as they are. Paths go through etils.epath, as MaxText and Orbax read them."""
+    from etils import epath
+
+    if not path or "://" in path:
+        return path
+    return str(epath.Path(path).absolute())
 
 
 @contextlib.contextmanager
@@ -68,10 +92,12 @@ def checked_config(argv: Sequence[str], kwargs: dict,
     argv, kwargs, engine = config_map.pop_rollout_engine(argv, kwargs)
     config, default = load_maxtext_config(argv, kwargs)
     engine = engine or config_map.rollout_engine_for(config)
-    not_applied = config_map.check_keys(config_map.changed_keys(config, default), engine)
+    changed = config_map.changed_keys(config, default)
+    not_applied = config_map.check_keys(changed, engine)
     config_map.check_model(config, engine)
     tokenizer_path = data.resolve_tokenizer_path(config.tokenizer_path)
-    return config, config_map.to_config(config, num_hosts, tokenizer_path, engine), not_applied
+    return config, config_map.to_config(config, num_hosts, tokenizer_path, changed,
+                                        engine), not_applied
 
 
 def run(argv: Sequence[str], kwargs: dict, topo: topology.Topology) -> dict | None:
@@ -86,24 +112,32 @@ def run(argv: Sequence[str], kwargs: dict, topo: topology.Topology) -> dict | No
         _log_start(config, cfg, not_applied)
     # Built by the runtime under its watchdog: the model build waits on every host.
     summary = ColocatedRuntime(
-        cfg, topo, components=lambda: build_components(config, data.load_tokenizer(config))).run()
+        cfg, topo,
+        components=lambda: build_components(config, data.load_tokenizer(config), topo,
+                                            cfg.rollout_engine)).run()
     write_facts(cfg, topo, not_applied)
     return summary
 
 
-def build_components(config: Any, tokenizer: Any) -> Any:
-    """MaxText's model, mesh, optimizer, data and rewards as the runtime's components."""
+def build_components(config: Any, tokenizer: Any, topo: topology.Topology,
+                     engine: str | None = None) -> Any:
+    """MaxText's model, mesh, optimizer, data, rewards and evaluation as the runtime's
+    components, for `engine` (None: the model's default engine)."""
     from maxtext.trainers.post_train.rl import utils_rl
 
     from tunix_mcjax.maxtext import data, policy
+    from tunix_mcjax.maxtext.evaluation import MaxTextEvaluator
     from tunix_mcjax.runtime.colocated import Components
 
-    task = data.maxtext_task(config, tokenizer)
+    train_rows, test_rows = data.dataset_rows(config, tokenizer)
+    task = data.maxtext_task(config, train_rows)
+    evaluator = None if test_rows is None else MaxTextEvaluator(
+        config, test_rows, task.reward_fns, tokenizer, topo.host, topo.num_hosts)
     model, mesh = policy.build_model(config, tokenizer.pad_token_id)
-    trainer_policy, params = policy.maxtext_policy(model, config)
+    trainer_policy, params = policy.maxtext_policy(model, config, engine)
     return Components(tokenizer=tokenizer, task=task, mesh=mesh, policy=trainer_policy,
-                      params=params, engine_model_config=policy.engine_model_config(config),
-                      optimizer=utils_rl.get_optimizer(config))
+                      params=params, engine_model_config=policy.engine_model_config(config, engine),
+                      optimizer=utils_rl.get_optimizer(config), evaluator=evaluator)
 
 
 def _log_start(config: Any, cfg: Config, not_applied: dict[str, Any]) -> None:
@@ -112,9 +146,6 @@ def _log_start(config: Any, cfg: Config, not_applied: dict[str, Any]) -> None:
     if not_applied:
         print("rl_runtime=mcjax: these settings are for the Pathways/vLLM path and do not apply "
               f"here: {', '.join(not_applied)}", flush=True)
-    if config.num_test_batches > 0:
-        print(f"rl_runtime=mcjax: evaluation (num_test_batches={config.num_test_batches}, "
-              "rl.yml's default) does not run under this runtime", flush=True)
 
 
 def write_facts(cfg: Config, topo: topology.Topology, not_applied: dict[str, Any]) -> None:

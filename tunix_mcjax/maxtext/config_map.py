@@ -64,7 +64,7 @@ HONOURED: dict[str, str] = {
     "hf_train_files": "MaxText's data pipeline",
     "train_split": "MaxText's data pipeline",
     "hf_subset": "MaxText's data pipeline",
-    "eval_dataset_name": "MaxText's data pipeline (equal to dataset_name: 95% train split)",
+    "eval_dataset_name": "MaxText's data pipeline (equal to dataset_name: 5% of the train split)",
     "hf_access_token": "MaxText's data pipeline and tokenizer",
     "data_shuffle_seed": "MaxText's data pipeline; seed (batch order)",
     "data_template_path": "MaxText's prompt template",
@@ -98,6 +98,21 @@ HONOURED: dict[str, str] = {
     "max_num_checkpoints_to_keep": "max_num_checkpoints_to_keep",
     "log_period": "log_period",
     "log_config": "MaxText's config logging",
+    "debug": "MaxText's debug logging: every library's INFO logs, evaluation's per-question logs",
+    "enable_tensorboard": "enable_tensorboard (host 0's scalars under <run dir>/tensorboard)",
+    "profiler": "profiler (xplane: a JAX profiler trace per host)",
+    "skip_first_n_steps_for_profiler": "skip_first_n_steps_for_profiler",
+    "profiler_steps": "profiler_steps",
+    # Evaluation: MaxText's test rows, scored by MaxText's evaluate_rl on each host's engine.
+    "num_test_batches": "num_test_batches (evaluation before, during and after training)",
+    "eval_interval": "eval_interval",
+    "eval_mode": "MaxText's evaluate_rl.score_responses (pass, maj, pass_at_1)",
+    "num_eval_passes": "MaxText's evaluate_rl.generate_responses",
+    "eval_sampling_strategy": "MaxText's evaluate_rl.generate_responses (generation_configs)",
+    "eval_split": "MaxText's data pipeline (test rows)",
+    "hf_eval_files": "MaxText's data pipeline (test rows)",
+    "eval_batch_size": "MaxText's data pipeline (test rows per batch)",
+    "test_batch_start_index": "MaxText's data pipeline (first test row)",
     # The model: built by MaxText's model_creation_utils, mapped onto Tunix Qwen3 for the engine.
     "model_name": "MaxText's model creation (dense Qwen3, Qwen3 MoE, gpt-oss, Gemma4)",
     "override_model_config": "MaxText's model creation",
@@ -120,11 +135,21 @@ HONOURED: dict[str, str] = {
     "load_parameters_path": "MaxText's model creation (initial weights)",
     "convert_checkpoint_if_possible": "MaxText's model creation",
     "allow_split_physical_axes": "MaxText's mesh creation",
+    # Kernels, layouts and MoE shapes: MaxText builds and runs the model under both runtimes.
+    **dict.fromkeys((
+        "attention", "megablox", "sparse_matmul", "use_custom_sort_vjp", "use_tokamax_splash",
+        "sa_use_fused_bwd_kernel", "sa_block_q", "sa_block_kv", "sa_block_kv_compute",
+        "sa_block_q_dkv", "sa_block_kv_dkv", "sa_block_kv_dkv_compute", "use_iota_embed",
+        "decoder_layer_input", "num_experts", "num_experts_per_tok", "base_moe_mlp_dim",
+        "shared_experts", "capacity_factor", "sliding_window_size", "num_vocab_tiling",
+        "global_head_dim", "global_num_kv_heads", "hidden_size_per_layer_input",
+        "vocab_size_per_layer_input", "num_kv_shared_layers", "ici_tensor_parallelism",
+    ), "MaxText's model creation"),
     "skip_jax_distributed_system": "always skipped: this runtime initialises jax.distributed",
 }
 
 # Keys honoured only at these values (what this runtime does); other values are refused.
-HONOURED_VALUES: dict[str, tuple[Any, ...]] = {"num_test_batches": (0,)}
+HONOURED_VALUES: dict[str, tuple[Any, ...]] = {"profiler": ("", "xplane")}
 
 # Computed by MaxText from the keys above.
 DERIVED = frozenset({
@@ -132,7 +157,37 @@ DERIVED = frozenset({
     "checkpoint_dir", "tensorboard_dir", "metrics_dir", "tokenizer_type",
     "micro_batch_size_to_train_on", "micro_batch_size_to_eval_on", "global_batch_size_to_train_on",
     "global_batch_size_to_eval_on", "global_batch_size_to_load", "global_batch_size_to_load_eval",
+    "tensors_on_device", "tensors_to_offload", "moe_mlp_dim",
 })
+
+# MaxText's vLLM sampler keys -> the Config key they set for this runtime's engines, or None:
+# no equivalent here, so the key is reported as not applied. One table, so an engine that has
+# more of them (rollout_engine=vllm) maps them here.
+VLLM_KEYS: dict[str, str | None] = {
+    "max_num_seqs": "rollout_max_batch_size",  # sequences one engine replica decodes at once
+    "max_num_batched_tokens": None,  # vLLM's scheduler token budget; prompts prefill whole here
+    "kv_cache_buffer": None,  # the KV cache is sized to the prompt and completion buckets
+    "hbm_utilization_vllm": None,
+    "swap_space_vllm_gb": None,
+    "enable_dp_attention": None,
+    "enable_expert_parallel": None,
+    "enable_prefix_caching": None,
+    "free_kv_cache_during_weight_sync": None,
+    "async_scheduling": None,
+    "vllm_block_size": None,
+    "vllm_additional_config": None,
+    "vllm_hf_overrides": None,
+    "vllm_hf_config_path": None,
+    "vllm_load_format": None,
+    "rollout_micro_batch_size": None,  # a host's engine takes all its requests in one call
+    "rollout_expert_parallelism": None,
+}
+HONOURED.update({k: v for k, v in VLLM_KEYS.items() if v is not None})
+
+# Keys MaxText's RL trainer itself does not read (its pretraining trainer does): not applied
+# under either runtime.
+NOT_READ_BY_TRAIN_RL = frozenset({"mu_dtype", "grad_dtype", "hf_name",
+                                  "checkpoint_storage_use_ocdbt", "checkpoint_storage_use_zarr3"})
 
 # Settings of what rl_runtime=mcjax replaces: the Pathways controller, vLLM rollouts, Tunix's
 # RL cluster (device split between trainer and sampler, reward worker pool, perf metrics).
@@ -140,23 +195,19 @@ NOT_APPLICABLE = frozenset({
     "use_pathways", "use_pathways_reshard", "trainer_devices_fraction", "sampler_devices_fraction",
     "num_trainer_slices", "num_samplers_slices", "chips_per_vm", "gc_collect_after_weight_sync",
     "inference_replicas", "inference_devices_per_replica", "inference_rollouts",
-    "rollout_expert_parallelism", "rollout_micro_batch_size", "kv_cache_buffer",
-    "hbm_utilization_vllm", "swap_space_vllm_gb", "free_kv_cache_during_weight_sync",
-    "enable_dp_attention", "enable_expert_parallel", "async_scheduling", "max_num_batched_tokens",
-    "max_num_seqs", "vllm_block_size", "vllm_additional_config", "vllm_hf_overrides",
-    "vllm_hf_config_path", "vllm_load_format", "use_standalone_converter", "use_weight_converter",
+    "use_standalone_converter", "use_weight_converter",
     "use_raiden_ffi", "rollout_backend", "weight_sync_debug", "log_weight_sync_time", "kv_tp_size",
-    "moe_mlp_tp_size", "debug_converter", "gcs_debug_path", "enable_prefix_caching",
+    "moe_mlp_tp_size", "debug_converter", "gcs_debug_path",
     "reward_num_workers", "reward_worker_timeout_seconds", "enable_tunix_perf_metrics",
     "rl.reshard_chunk_size",
-})
+}) | {k for k, v in VLLM_KEYS.items() if v is None} | NOT_READ_BY_TRAIN_RL
 
 # --- vLLM engine (rollout_engine=vllm) ---
-# MaxText's vLLM keys -> our Config key. Honoured under rollout_engine=vllm (given on train_rl's
-# command line, read by this adapter: MaxText has no such key); NOT_APPLICABLE otherwise.
-VLLM_KEYS: dict[str, str] = {
+# MaxText's vLLM keys the vLLM engine takes as they are -> our Config key. Honoured under
+# rollout_engine=vllm (given on train_rl's command line, read by this adapter: MaxText has no
+# such key); under the other engines they stay in VLLM_KEYS's "not applied" rows.
+VLLM_ENGINE_KEYS: dict[str, str] = {
     "hbm_utilization_vllm": "hbm_utilization_vllm",
-    "max_num_seqs": "rollout_max_batch_size",
     "max_num_batched_tokens": "max_num_batched_tokens",
     "enable_dp_attention": "enable_dp_attention",
     "async_scheduling": "async_scheduling",
@@ -181,7 +232,7 @@ def pop_rollout_engine(argv: Sequence[str], kwargs: dict
 def vllm_values(config: Any) -> dict[str, Any]:
     """Our Config values of MaxText's vLLM keys; None or {} keep our default (vLLM's)."""
     out: dict[str, Any] = {}
-    for key, ours in VLLM_KEYS.items():
+    for key, ours in VLLM_ENGINE_KEYS.items():
         value = getattr(config, key)
         if value is not None and value != {}:
             out[ours] = json.dumps(value) if isinstance(value, dict) else value
@@ -194,12 +245,10 @@ REFUSED: dict[str, str] = {
     "rl.use_agentic_rollout": "agentic (multi-turn) rollouts are not implemented",
     "rl.epsilon_high": "asymmetric clipping is only in Tunix's agentic learner",
     "rl.off_policy_steps": "off-policy steps are only in Tunix's agentic learner",
-    "num_test_batches": "evaluation does not run under rl_runtime=mcjax yet; set 0",
-    "eval_interval": "evaluation does not run under rl_runtime=mcjax yet",
     "stop_strings": "the engine stops on the EOS token only",
     "adam_eps": "MaxText's RL optimizer (utils_rl.get_optimizer) does not pass adam_eps to "
                 "AdamW, so neither runtime would use it",
-    "profiler": "profiling is not wired into rl_runtime=mcjax yet",
+    "profiler": "only profiler=xplane (a JAX trace) is supported; nsys is not",
     "max_seq_token_per_tpu": "no token-budget micro-batching yet",
     "dropout_rate": "the policy trains without dropout",
     "async_checkpointing": "checkpoints are saved synchronously",
@@ -231,16 +280,16 @@ def changed_keys(config: Any, default: Any) -> dict[str, Any]:
 def check_keys(changed: dict[str, Any], rollout_engine: str = "jax") -> dict[str, Any]:
     """Raises ConfigError naming every changed key this runtime cannot honour; returns the
     changed keys that do not apply to it, with their values."""
-    honoured_vllm = set(VLLM_KEYS) if rollout_engine == "vllm" else set()
+    honoured_vllm = set(VLLM_ENGINE_KEYS) if rollout_engine == "vllm" else set()
 
     def accepted(key: str) -> bool:
         if key in HONOURED_VALUES:
-            return changed[key] in HONOURED_VALUES[key]
+            return _value(changed[key]) in HONOURED_VALUES[key]
         return key in HONOURED or key in DERIVED or key in NOT_APPLICABLE
 
     refused = [k for k in sorted(changed) if not accepted(k)]
     if refused:
-        lines = [f"  {k}={changed[k]!r}: "
+        lines = [f"  {k}={_value(changed[k])!r}: "
                  f"{REFUSED.get(k, 'not supported under rl_runtime=mcjax yet')}" for k in refused]
         raise ConfigError(
             "rl_runtime=mcjax cannot honour these MaxText settings:\n" + "\n".join(lines)
@@ -311,13 +360,21 @@ def per_host_data_parallelism(global_dp: int, num_hosts: int) -> int:
     return global_dp // num_hosts
 
 
+def _value(value: Any) -> Any:
+    """An enum member's value (MaxText's DType, ProfilerType, ...), other values as they are."""
+    return getattr(value, "value", value)
+
+
 def _dtype(value: Any) -> str:
-    return str(getattr(value, "value", value))
+    return str(_value(value))
 
 
 def to_config(config: Any, num_hosts: int, tokenizer_path: str,
-              rollout_engine: str = "jax") -> Config:
-    """Our Config from MaxText's (already checked with `check_keys` and `check_model`)."""
+              changed: dict[str, Any] | None = None, rollout_engine: str = "jax") -> Config:
+    """Our Config from MaxText's (already checked with `check_keys` and `check_model`).
+    `changed`: the keys set away from MaxText's defaults; a vLLM key with an equivalent here
+    (`VLLM_KEYS`) sets it only when changed. Under rollout_engine=vllm the engine takes
+    MaxText's vLLM settings as they are (`VLLM_ENGINE_KEYS`)."""
     rl = config.rl
     values = {
         "rl_runtime": "mcjax",
@@ -374,13 +431,16 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str,
         "grpo_epsilon": rl.grpo_epsilon,
         "loss_algo": rl.loss_algo,
         "loss_agg_mode": rl.loss_agg_mode,
+        "num_test_batches": config.num_test_batches,
+        "eval_interval": config.eval_interval,
+        "profiler": _dtype(config.profiler),
+        "skip_first_n_steps_for_profiler": config.skip_first_n_steps_for_profiler,
+        "profiler_steps": config.profiler_steps,
+        "enable_tensorboard": config.enable_tensorboard,
     }
+    values.update({target: changed[key] for key, target in VLLM_KEYS.items()
+                   if target is not None and key in (changed or {})})
     values["rollout_engine"] = rollout_engine
     if rollout_engine == "vllm":
         values.update(vllm_values(config))
-    if str(config.base_output_directory).startswith("gs://"):
-        raise ConfigError(
-            f"base_output_directory={config.base_output_directory}: rl_runtime=mcjax writes its "
-            "run directory (metrics, checkpoints) to a filesystem path; mount the bucket "
-            "(e.g. GCS FUSE at /gcs/<bucket>) and pass that path.")
     return load_config(None, values)

@@ -1,9 +1,11 @@
 """Start H local processes of MaxText's RL trainer under rl_runtime=mcjax (CPU/dev).
 
-`python -m tunix_mcjax.maxtext.launch --hosts 2 --devices-per-host 1 CONFIG.yml [key=value ...]`
-runs `python -m maxtext.trainers.post_train.rl.train_rl CONFIG.yml key=value ... rl_runtime=mcjax`
-as H real JAX processes (see `tunix_mcjax.launch`, and recipes/maxtext/cpu/run.sh). On a cluster,
-the cluster's launcher starts that command once per host instead.
+`python -m tunix_mcjax.maxtext.launch --hosts 2 --devices-per-host 1 [CONFIG.yml] key=value ...`
+runs `python -m maxtext.trainers.post_train.rl.train_rl [CONFIG.yml] key=value ... rl_runtime=mcjax`
+as H real JAX processes (see `tunix_mcjax.launch`, and recipes/maxtext/cpu/run.sh): the arguments
+are train_rl's own, so a recipe script's command line runs as it is. Without a CONFIG.yml,
+MaxText picks train_rl's default (post_train/rl.yml). On a cluster, the cluster's launcher
+starts that command once per host instead.
 """
 
 from __future__ import annotations
@@ -23,14 +25,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hosts", type=int, default=2, help="processes to start (default 2)")
     parser.add_argument("--devices-per-host", type=int, default=1,
                         help="CPU devices per process (default 1)")
-    parser.add_argument("config", help="MaxText RL config YAML, e.g. "
-                        "src/maxtext/configs/post_train/rl.yml")
-    parser.add_argument("overrides", nargs="*", help="MaxText key=value overrides")
+    parser.add_argument("args", nargs="+", metavar="[CONFIG.yml] key=value",
+                        help="train_rl's arguments: an optional MaxText RL config YAML (e.g. "
+                        "src/maxtext/configs/post_train/rl.yml), then key=value overrides")
     args = parser.parse_args(argv)
     if args.hosts < 1 or args.devices_per_host < 1:
         parser.error("--hosts and --devices-per-host must be >= 1")
-    overrides = [*args.overrides, "rl_runtime=mcjax"]
-    return launch(args.config, overrides, args.hosts, args.devices_per_host, module=TRAIN_RL)
+    first, *rest = [*args.args, "rl_runtime=mcjax"]
+    return launch(first, rest, args.hosts, args.devices_per_host, module=TRAIN_RL)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 The model is what `train_rl` trains: built by MaxText's `model_creation_utils.from_pretrained`
 and wrapped in its Tunix adapter, on MaxText's mesh (all devices on "fsdp" by default). What the
-engine gets depends on the adapter's engine (`config_map.rollout_engine_for`): the maxtext engine
+engine gets depends on the run's engine (`rollout_engine`; by default `config_map.rollout_engine_for`
+the model): the maxtext engine
 takes MaxText's own param tree as it is; the jax engine takes Tunix Qwen3's, a rename plus, with
 `scan_layers`, unstacking the layer axis (`param_scan_axis`); shapes are otherwise the same
 (ADAPTER_NOTES.md section 5).
@@ -123,11 +124,13 @@ def maxtext_tree(params: nnx.State) -> dict:
     return nnx.to_pure_dict(params)["base"]
 
 
-def maxtext_policy(model: nnx.Module, config: Any) -> tuple[Policy, nnx.State]:
-    """The trainer's view of MaxText's model, plus its params."""
+def maxtext_policy(model: nnx.Module, config: Any,
+                   engine: str | None = None) -> tuple[Policy, nnx.State]:
+    """The trainer's view of MaxText's model, plus its params, for `engine` (None: the model's
+    default engine)."""
     drop_rng_state(model)
     graphdef, params = nnx.split(model, nnx.Param)
-    if config_map.rollout_engine_for(config) == "maxtext":
+    if (engine or config_map.rollout_engine_for(config)) == "maxtext":
         to_engine = maxtext_tree
     else:
         to_engine = jax.jit(functools.partial(
@@ -138,10 +141,10 @@ def maxtext_policy(model: nnx.Module, config: Any) -> tuple[Policy, nnx.State]:
     return Policy(graphdef, fwd, to_engine), params
 
 
-def engine_model_config(config: Any) -> Any:
+def engine_model_config(config: Any, engine: str | None = None) -> Any:
     """The engine's model config: MaxText's own config for the maxtext engine, else the Tunix
     Qwen3 ModelConfig whose param tree `to_tunix_qwen3` produces."""
-    if config_map.rollout_engine_for(config) == "maxtext":
+    if (engine or config_map.rollout_engine_for(config)) == "maxtext":
         return config
     dtype, weight_dtype = (str(getattr(d, "value", d)) for d in (config.dtype, config.weight_dtype))
     if dtype not in DTYPES or weight_dtype not in DTYPES:

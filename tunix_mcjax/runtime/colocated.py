@@ -23,8 +23,9 @@ import numpy as np
 from tunix_mcjax import admission, metrics, models, rewards, topology
 from tunix_mcjax.config import Config, ConfigError
 from tunix_mcjax.engine import Completion, Engine, stops
+from tunix_mcjax.profiler import StepProfiler
 from tunix_mcjax.publish import Publisher
-from tunix_mcjax.runtime import phases
+from tunix_mcjax.runtime import evaluation, phases
 from tunix_mcjax.runtime.phases import default_engine
 from tunix_mcjax.runtime.recovery import NonFinitePolicy, Preempted, RunState
 from tunix_mcjax.tasks import Task, load_task
@@ -47,6 +48,7 @@ class Components:
     params: Any
     engine_model_config: Any  # the engine's: Tunix Qwen3 ModelConfig (jax), MaxText's (maxtext)
     optimizer: Any = None  # an optax transformation; None: `trainer.make_optimizer(cfg)`
+    evaluator: Any = None  # a runtime.evaluation.Evaluator; needed when num_test_batches > 0
 
 
 def default_components(cfg: Config, topo: topology.Topology, tokenizer, task: Task
@@ -94,6 +96,7 @@ class ColocatedRuntime:
         self.engine = engine_factory(cfg, parts.engine_model_config, list(topo.local_devices),
                                      self.pad_id, self.eos_ids)
         self.publisher = Publisher(self.mesh, cfg.rl_publish_weights_single_call)
+        self.evaluation = evaluation.EvalSchedule(cfg, parts.evaluator, topo, self.watchdog)
         self.sampling = phases.sampling_params(cfg)
         self.state = RunState(cfg, self.watchdog, topo.is_leader)
         self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps)
@@ -107,6 +110,9 @@ class ColocatedRuntime:
                                           self.start_step)
         self.step_log = metrics.JsonlSink(self.run_dir / "steps.jsonl", self.start_step) \
             if topo.is_leader else None
+        self.tensorboard = metrics.TensorBoard(self.run_dir / "tensorboard", cfg.log_period) \
+            if topo.is_leader and cfg.enable_tensorboard else None
+        self.profiler = StepProfiler(cfg, topo.host, self.start_step)
         self.exporter = metrics.Exporter(self._export, cfg.rl_async_metrics_export,
                                          cfg.rl_metrics_queue_size)
         # The summary covers the whole run, resumed segments included.
@@ -212,10 +218,19 @@ class ColocatedRuntime:
         record = self._host_record(step, local_idx, global_idx, timer, reward, correct,
                                    completions, lens, lens_by_prompt, train_metrics)
         record.update(rows_per_device=k, train_compiled=train_compiled)
+        record.update(self._evaluate_after(step))
         self.exporter.export({"kind": "host", **record})
         self._pending = (step, record)
         if not cfg.rl_async_metrics_export:
             self._flush_metrics()
+
+    def _evaluate_after(self, step: int) -> dict:
+        """The evaluations due after `step`, kept out of its wall period and compile count."""
+        t0 = time.perf_counter()
+        out = self.evaluation.after_step(step, self.engine)
+        self._step_start[step] += time.perf_counter() - t0
+        self._compiles = self._compile_count()
+        return out
 
     def _record_lengths(self, local_idx, lens_by_prompt) -> None:
         """Mean completion length per prompt, shared by all hosts for O3's expected output."""
@@ -270,7 +285,7 @@ class ColocatedRuntime:
             rec = metrics.global_record(step, per_host, record["global_prompt_indices"])
             rec["step_s"] = period
             rec.update({k: record[k] for k in ("loss", "grad_norm", "kl", "kl_loss", "finite",
-                                               "nonfinite_steps") if k in record})
+                                               "nonfinite_steps", "eval") if k in record})
             self.step_records.append(rec)
             self.exporter.export({"kind": "global", **rec})
 
@@ -280,7 +295,9 @@ class ColocatedRuntime:
             self.host_log(record)
         else:
             self.step_log(record)
-            if record["step"] % self.cfg.log_period == 0:
+            if self.tensorboard is not None:
+                self.tensorboard.write(record)
+            if record["step"] % self.cfg.log_period == 0 or "eval" in record:
                 print(metrics.progress_line(record), flush=True)
 
     # --- the run ---------------------------------------------------------------------------
@@ -292,8 +309,11 @@ class ColocatedRuntime:
         `NonFiniteError` when non-finite steps pass max_nonfinite_steps (nothing saved).
         """
         try:
+            self.evaluation.before_training(self.engine, self.start_step)
             for step in range(self.start_step, self.cfg.steps):
+                self.profiler.before_step(step)
                 self.step(step)
+                self.profiler.after_step(step)
                 preempted = topology.preemption_noticed(step)
                 if preempted or self.state.due(step):
                     if preempted and self._pending is not None:
@@ -311,7 +331,10 @@ class ColocatedRuntime:
                 self._flush_metrics()
             self.state.close()
         finally:
+            self.profiler.close()
             self.exporter.close()
+            if self.tensorboard is not None:
+                self.tensorboard.close()
             self.host_log.close()
             if self.step_log:
                 self.step_log.close()
@@ -342,6 +365,7 @@ class ColocatedRuntime:
             "tokens_generated": int(sum(r["tokens_generated"] for r in recs)),
             "compiled_steps": int(sum(r["compiled"] for r in recs)),
             "nonfinite_steps": self.nonfinite.count,
+            **evaluation.summary_fields(recs),
         }
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
         print(summary_table(summary), flush=True)
@@ -363,7 +387,9 @@ def summary_table(s: dict) -> str:
             ("reward first10 -> last10", f"{s['reward_first10']:.3f} -> {s['reward_last10']:.3f}"),
             ("median step", f"{s['median_step_s']:.3f} s"),
             *((f"  {p}", f"{v:.3f} s") for p, v in s["phase_median_s"].items()),
-            ("tokens generated", s["tokens_generated"])]
+            ("tokens generated", s["tokens_generated"]),
+            *((f"eval {e['when']} ({e['mode']})", f"{e['accuracy']:.2f}% of {e['total']}")
+              for e in s.get("eval", ()))]
     width = max(len(k) for k, _ in rows)
     return "\n".join(["summary"] + [f"  {k:<{width}}  {v}" for k, v in rows])
 

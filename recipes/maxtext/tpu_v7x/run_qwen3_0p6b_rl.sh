@@ -11,8 +11,7 @@
 #     (one process per host, no Pathways). RL_FLAGS adds the optional O1-O4 flags, e.g.
 #     RL_FLAGS="rl_async_metrics_export=true rl_gc_freeze_after_warmup=true
 #               rl_balance_prompts_by_length=true rl_publish_weights_single_call=true".
-#     The image needs `pip install tunix_mcjax`, and BASE_OUTPUT_DIRECTORY must be a filesystem
-#     path on every host (e.g. a GCS FUSE mount such as /gcs/<bucket>/outputs).
+#     The image needs `pip install tunix_mcjax`.
 
 set -e
 
@@ -68,10 +67,6 @@ if [ "$RL_RUNTIME" != "pathways" ] && [ "$RL_RUNTIME" != "mcjax" ]; then
 fi
 if [ "$RL_RUNTIME" = "pathways" ] && [ -n "$RL_FLAGS" ]; then
     echo "Error: RL_FLAGS ($RL_FLAGS) only applies to RL_RUNTIME=mcjax."
-    exit 1
-fi
-if [ "$RL_RUNTIME" = "mcjax" ] && [[ "$BASE_OUTPUT_DIRECTORY" == gs://* ]]; then
-    echo "Error: with RL_RUNTIME=mcjax, BASE_OUTPUT_DIRECTORY must be a filesystem path on every host (e.g. a GCS FUSE mount), got '$BASE_OUTPUT_DIRECTORY'."
     exit 1
 fi
 
@@ -138,7 +133,7 @@ async_scheduling=True \
 base_output_directory=$BASE_OUTPUT_DIRECTORY \
 chips_per_vm=8 \
 num_batches=500 \
-num_test_batches=0 \
+num_test_batches=10 \
 rl.num_generations=8 \
 rl.grpo_beta=0.05 \
 rl.grpo_epsilon=0.2 \
@@ -150,6 +145,8 @@ dataset_name=nvidia/OpenMathInstruct-2 \
 hf_train_files=hf://datasets/nvidia/OpenMathInstruct-2/data/train_1M-*.parquet \
 train_split=train_1M \
 eval_dataset_name=nvidia/OpenMathInstruct-2 \
+eval_mode=pass_at_1 \
+num_eval_passes=4 \
 max_target_length=8192 \
 max_prefill_predict_length=512 \
 learning_rate=1e-6 \
@@ -169,6 +166,9 @@ checkpoint_period=2 \
 max_num_checkpoints_to_keep=1000 \
 enable_checkpointing=true \
 load_parameters_path=$MAXTEXT_CKPT_PATH \
+profiler=xplane \
+skip_first_n_steps_for_profiler=5 \
+profiler_steps=2 \
 vllm_hf_overrides='{architectures: [\"MaxTextForCausalLM\"]}' \
 vllm_additional_config='{\"maxtext_config\": {\"model_name\": \"qwen3-0.6b\", \"model_call_mode\": \"inference\", \"enable_dp_attention\": false, \"allow_split_physical_axes\": true, \"log_config\": false, \"weight_dtype\": \"bfloat16\"}}' \
 rl_runtime=${RL_RUNTIME} ${RL_FLAGS}"
