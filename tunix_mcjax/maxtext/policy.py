@@ -3,9 +3,9 @@
 The model is what `train_rl` trains: built by MaxText's `model_creation_utils.from_pretrained`
 and wrapped in its Tunix adapter, on MaxText's mesh (all devices on "fsdp" by default). What the
 engine gets depends on the run's engine (`rollout_engine`; by default the model's,
-`config_map.rollout_engine_for`): the maxtext engine takes MaxText's own param tree as it is; the jax engine takes Tunix Qwen3's, a rename plus, with
-`scan_layers`, unstacking the layer axis (`param_scan_axis`); shapes are otherwise the same
-(ADAPTER_NOTES.md section 5).
+`config_map.rollout_engine_for`): the maxtext engine takes MaxText's own param tree as it is;
+the jax and vllm engines take Tunix Qwen3's, a rename plus, with `scan_layers`, unstacking the
+layer axis (`param_scan_axis`); shapes are otherwise the same (ADAPTER_NOTES.md section 5).
 """
 
 from __future__ import annotations
