@@ -275,7 +275,7 @@ def _global_fsdp(summary: dict, expected_rows: list[int], global_rows: int) -> b
 def test_shard_input_makes_local_leaves_global_beside_global_ones(
         shard_reports: dict[str, list[dict]]) -> None:
     """beta > 0: the reference logps are global, the completions local, in one batch."""
-    for pristine, patched in zip(shard_reports["pristine"], shard_reports["patched"]):
+    for pristine, patched in zip(shard_reports["pristine"], shard_reports["patched"], strict=True):
         rows = patched["expected_local_rows"]
         assert pristine["mixed"]["completion_ids"] == {"type": "ndarray"}, "Tunix 0.1.7 mixes"
         for key in ("completion_ids", "ref_per_token_logps"):
@@ -285,7 +285,7 @@ def test_shard_input_makes_local_leaves_global_beside_global_ones(
 def test_shard_input_shards_rows_that_split_over_local_devices(
         shard_reports: dict[str, list[dict]]) -> None:
     """2 rows per process on a 4-way FSDP mesh: each process's devices hold one row each."""
-    for pristine, patched in zip(shard_reports["pristine"], shard_reports["patched"]):
+    for pristine, patched in zip(shard_reports["pristine"], shard_reports["patched"], strict=True):
         rows = patched["expected_local_rows"][:2]
         silent = pristine["local_only"]["completion_ids"]
         assert silent["spec"] == "P()" and silent["global_shape"] == [2, 3], (
@@ -295,7 +295,7 @@ def test_shard_input_shards_rows_that_split_over_local_devices(
 
 def test_shard_input_refuses_rows_that_do_not_split(
         shard_reports: dict[str, list[dict]]) -> None:
-    for pristine, patched in zip(shard_reports["pristine"], shard_reports["patched"]):
+    for pristine, patched in zip(shard_reports["pristine"], shard_reports["patched"], strict=True):
         assert pristine["uneven"]["completion_ids"]["spec"] == "P()", "Tunix 0.1.7 replicates"
         error = patched["uneven"]["error"]
         assert "this process holds 3 rows" in error and "multiple of 2" in error
