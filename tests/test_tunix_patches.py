@@ -299,3 +299,23 @@ def test_shard_input_refuses_rows_that_do_not_split(
         assert pristine["uneven"]["completion_ids"]["spec"] == "P()", "Tunix 0.1.7 replicates"
         error = patched["uneven"]["error"]
         assert "this process holds 3 rows" in error and "multiple of 2" in error
+
+
+# --- 0004: RLCluster with a per-process rollout ---------------------------------------------------
+
+def test_rl_cluster_builds_and_syncs_a_per_process_rollout(pristine_root: Path,
+                                                           patched_root: Path) -> None:
+    """Actor FSDP over both processes, rollout on each process's own devices."""
+    pristine = run_check_mp(pristine_root, "per_process_rollout.py")
+    patched = run_check_mp(patched_root, "per_process_rollout.py")
+    for report in pristine:
+        assert "does not support cross-host device transfers" in report["error"], report
+        assert "built" not in report
+    for report in patched:
+        assert report["reshard"].startswith(str(patched_root)) and "error" not in report, report
+        assert report["built"] and report["rollout_fully_addressable"]
+        assert report["unsynced_max_diff"] > 0.1, "the check must change the actor's weights"
+        assert report["synced_max_diff"] == 0.0
+    host0, host1 = (r["completions"] for r in patched)
+    assert host0[1] == host1[1], "the same prompt decodes the same on both processes"
+    assert host0[0] != host1[0], "each process decodes its own prompt"
