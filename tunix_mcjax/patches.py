@@ -165,8 +165,9 @@ def check(target: Target, root: Path) -> list[Path]:
 def apply(target: Target, root: Path) -> list[Path]:
     """Applies every patch not yet applied, in order; returns those it applied.
 
-    Refuses before changing anything when the version differs or any patch mismatches. The
-    series' patches touch disjoint files, so each patch's state is independent of the others.
+    Refuses before changing anything when the version differs or any patch mismatches. Each
+    patch of a series applies to the pristine tree alone (patches that share a file change
+    separate hunks of it), so each patch's state is independent of the others.
     """
     missing = check(target, root)
     for patch in missing:
