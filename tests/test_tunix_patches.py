@@ -349,6 +349,7 @@ def test_global_mesh_generation_gives_each_process_its_own_rows(pristine_root: P
     for report in patched:
         assert report["sampler"].startswith(str(patched_root))
         assert report["completions"] == report["reference"]
+        assert report["completions_2_rows"] == report["reference_2_rows"]
     assert patched[0]["completions"] != patched[1]["completions"]
 
 

@@ -4,7 +4,8 @@ A tiny random Qwen3 is FSDP-sharded over all devices of all processes; each proc
 own prompts greedily. argv[1] picks the stops: `equal` (every row runs to the budget) or
 `uneven` (process 1's rows stop at their first token, process 0's run to the budget). Each
 process also decodes its prompts with a local copy of the same weights, the reference its
-completions must equal. Prints one "REPORT <json>" line per process.
+completions must equal (with 4 prompts per process, and with `equal` also with 2). Prints
+one "REPORT <json>" line per process.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def make_model():
     return model
 
 
-def sample(model, eos: list[int]) -> list[list[int]]:
+def sample(model, eos: list[int], prompts: list[str]) -> list[list[int]]:
     cache = sampler_lib.CacheConfig(cache_size=PROMPT_LENGTH + NEW_TOKENS,
                                     num_layers=CONFIG.num_layers,
                                     num_kv_heads=CONFIG.num_kv_heads, head_dim=CONFIG.head_dim)
@@ -82,7 +83,14 @@ prompts = [f"{5 + 20 * topo.host} 6 7", f"{9 + 20 * topo.host} 10 11 12",
 stop_early = sys.argv[1] == "uneven" and topo.host == 1
 eos = list(range(VOCAB)) if stop_early else [VOCAB]
 report = {"host": topo.host, "sampler": sampler_lib.__file__,
-          "reference": sample(local_model, eos)}
+          "reference": sample(local_model, eos, prompts)}
 with jax.set_mesh(mesh):
-    report["completions"] = sample(model, eos)
+    report["completions"] = sample(model, eos, prompts)
+if sys.argv[1] == "equal":
+    # Two rows per process: the rows then match the shape of a PRNG key, which must stay as is.
+    # (Not after uneven stops: before the fix, a process that left the first decode early would
+    # meet the other's first decode with its second and gloo would abort, hiding the hang.)
+    report["reference_2_rows"] = sample(local_model, eos, prompts[:2])
+    with jax.set_mesh(mesh):
+        report["completions_2_rows"] = sample(model, eos, prompts[:2])
 print("REPORT " + json.dumps(report), flush=True)
