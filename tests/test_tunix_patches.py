@@ -216,7 +216,8 @@ def dispatch_reports(pristine_root: Path, patched_root: Path) -> dict[str, dict]
     reports = {}
     for name, root in (("pristine", pristine_root), ("patched", patched_root)):
         (root / "grpo.yaml").write_text(MIN_CONFIG)
-        reports[name] = run_check(root, "cli_dispatch.py", "grpo.yaml")
+        (root / "grpo_mcjax.yaml").write_text(MIN_CONFIG + "rl_runtime: mcjax\n")
+        reports[name] = run_check(root, "cli_dispatch.py", "grpo.yaml", "grpo_mcjax.yaml")
         assert reports[name]["grpo_main"].startswith(str(root))
     return reports
 
@@ -226,13 +227,17 @@ def test_rl_runtime_hands_the_run_over_before_any_backend_exists(
     pristine, patched = dispatch_reports["pristine"], dispatch_reports["patched"]
     assert pristine["runtime_calls"] == []
     assert "rl_runtime was passed at the command line but isn't in config" in pristine["cli"]
+    assert "isn't in config" in pristine["override_file"]
     assert "T_RL_RUNTIME but it doesn't match a key" in pristine["env"]
+    assert pristine["yaml"] is not None, "Tunix 0.1.7 runs its own pipeline, which fails here"
 
-    assert patched["cli"] is None and patched["env"] is None
+    assert all(patched[k] is None for k in ("cli", "yaml", "override_file", "env"))
     calls = patched["runtime_calls"]
-    assert [c["argv"] for c in calls] == [["grpo_main", "grpo.yaml", "rl_runtime=mcjax"],
-                                          ["grpo_main", "grpo.yaml"]]
-    assert [c["kwargs"] for c in calls] == [{"extra": 1}, {}]
+    assert [c["argv"] for c in calls] == [
+        ["grpo_main", "grpo.yaml", "rl_runtime=mcjax"], ["grpo_main", "grpo_mcjax.yaml"],
+        ["grpo_main", "grpo.yaml", "override_config_file=grpo_mcjax.yaml"],
+        ["grpo_main", "grpo.yaml"]]
+    assert [c["kwargs"] for c in calls] == [{"extra": 1}, {}, {}, {}]
     assert not any(c["backends_initialized"] for c in calls)
     assert patched["backends_initialized_by_dispatch"] is False
 

@@ -1,7 +1,7 @@
 """Check for patch 0001: `grpo_main` hands `rl_runtime=mcjax` to the registered runtime.
 
-Run with a tunix copy first on PYTHONPATH; argv[1] is a minimal Tunix CLI config. Prints one
-"REPORT <json>" line.
+Run with a tunix copy first on PYTHONPATH; argv[1] is a minimal Tunix CLI config, argv[2] the
+same with `rl_runtime: mcjax`. Prints one "REPORT <json>" line.
 """
 
 from __future__ import annotations
@@ -65,6 +65,9 @@ flags.FLAGS(["grpo_main"])
 md.entry_points = registered(["mcjax"])
 report["cli"] = error_of(lambda: grpo_main.main(["grpo_main", CONFIG, "rl_runtime=mcjax"],
                                                 extra=1))
+report["yaml"] = error_of(lambda: grpo_main.main(["grpo_main", sys.argv[2]]))
+report["override_file"] = error_of(lambda: grpo_main.main(
+    ["grpo_main", CONFIG, f"override_config_file={sys.argv[2]}"]))
 os.environ["T_RL_RUNTIME"] = "mcjax"
 report["env"] = error_of(lambda: grpo_main.main(["grpo_main", CONFIG]))
 del os.environ["T_RL_RUNTIME"]
