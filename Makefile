@@ -17,12 +17,15 @@ $(VENV)/.installed: setup.py constraints.txt
 	$(PY) -m pip install -q -c constraints.txt -e '.[maxtext]'
 	touch $@
 
-# The MaxText patch series, applied to the installed copy. When the series changed since it was
-# applied (`check` refuses), MaxText is first reinstalled pristine.
-$(VENV)/.patched: $(VENV)/.installed $(wildcard patches/maxtext/*.patch)
+# The MaxText and Tunix patch series, applied to the installed copies. When a series changed
+# since it was applied (`check` refuses), that package is first reinstalled pristine.
+$(VENV)/.patched: $(VENV)/.installed $(wildcard patches/maxtext/*.patch patches/tunix/*.patch)
 	$(PY) -m tunix_mcjax.patches check maxtext >/dev/null 2>&1 || \
 	  $(PY) -m pip install -q --force-reinstall --no-deps -c constraints.txt maxtext
 	$(PY) -m tunix_mcjax.patches apply maxtext
+	$(PY) -m tunix_mcjax.patches check tunix >/dev/null 2>&1 || \
+	  $(PY) -m pip install -q --force-reinstall --no-deps -c constraints.txt google-tunix
+	$(PY) -m tunix_mcjax.patches apply tunix
 	touch $@
 
 demo: $(VENV)/.patched

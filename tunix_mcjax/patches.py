@@ -3,6 +3,7 @@
     python -m tunix_mcjax.patches status maxtext   # per patch: applied / not applied / mismatch
     python -m tunix_mcjax.patches check maxtext    # dry run of `apply`; changes nothing
     python -m tunix_mcjax.patches apply maxtext    # apply what is missing; idempotent
+    python -m tunix_mcjax.patches apply tunix      # the same for google-tunix (patches/tunix/)
 
 The package is found where Python imports it from (`--root DIR` points at another tree that holds
 it). Each patch is checked with `git apply --check`, forward and reverse, so its state is known per
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import glob
 import importlib.util
 import os
 import re
@@ -33,10 +35,17 @@ class Target:
 
     name: str
     version: str
-    version_file: str  # relative to the root; holds `__version__ = "..."`
+    version_file: str  # relative to the root (a glob); holds the version
+    version_pattern: str = r"""__version__\s*=\s*["']([^"']+)["']"""  # group 1 is the version
+    distribution: str = ""  # the PyPI name, where it differs from the package's
 
 
-TARGETS = {"maxtext": Target("maxtext", "0.2.5", "maxtext/version.py")}
+TARGETS = {
+    "maxtext": Target("maxtext", "0.2.5", "maxtext/version.py"),
+    # Tunix reads its version from package metadata, so the wheel's dist-info holds the literal.
+    "tunix": Target("tunix", "0.1.7", "google_tunix-*.dist-info/METADATA",
+                    r"(?m)^Version:\s*(\S+)$", "google-tunix"),
+}
 
 
 class State(enum.Enum):
@@ -49,25 +58,32 @@ class PatchError(RuntimeError):
     """The series cannot be applied; the message names the problem and the fix."""
 
 
+def _pip_name(target: Target) -> str:
+    return target.distribution or target.name
+
+
 def find_root(target: Target) -> Path:
     """The directory that holds the importable `target.name` package (e.g. site-packages)."""
     spec = importlib.util.find_spec(target.name)
     if spec is None or not spec.submodule_search_locations:
         raise PatchError(
             f"{target.name} is not installed in this Python ({sys.executable}). "
-            f"Fix: pip install {target.name}=={target.version} (make setup does this)."
+            f"Fix: pip install {_pip_name(target)}=={target.version} (make setup does this)."
         )
     return Path(next(iter(spec.submodule_search_locations))).resolve().parent
 
 
 def installed_version(target: Target, root: Path) -> str:
-    """Reads `__version__` from the tree under `root`, without importing it."""
-    path = root / target.version_file
-    if not path.is_file():
-        raise PatchError(f"no {target.name} package under {root} ({path} is missing).")
-    match = re.search(r"""__version__\s*=\s*["']([^"']+)["']""", path.read_text())
+    """Reads the version from the tree under `root`, without importing it."""
+    paths = sorted(glob.glob(str(root / target.version_file)))
+    if len(paths) != 1:
+        found = f"{len(paths)} files match" if paths else "it is missing"
+        raise PatchError(f"no single {target.name} installation under {root} "
+                         f"({root / target.version_file}: {found}).")
+    path = Path(paths[0])
+    match = re.search(target.version_pattern, path.read_text())
     if match is None:
-        raise PatchError(f"cannot read {target.name}'s version: no __version__ in {path}.")
+        raise PatchError(f"cannot read {target.name}'s version from {path}.")
     return match.group(1)
 
 
@@ -115,7 +131,8 @@ def _check_version(target: Target, root: Path) -> None:
         raise PatchError(
             f"{target.name} {version} is installed at {root}, but patches/{target.name}/ is "
             f"written against {target.name} {target.version}. "
-            f"Fix: pip install {target.name}=={target.version}, or port the series to {version}."
+            f"Fix: pip install {_pip_name(target)}=={target.version}, or port the series to "
+            f"{version}."
         )
 
 
@@ -133,7 +150,7 @@ def _refuse_mismatches(target: Target, root: Path, states: dict[Path, State]) ->
                 f"patches/{target.name}/{patch.name} neither applies to nor is applied in {root} "
                 f"(files: {', '.join(patched_files(patch))}). git says:\n{reason}\n"
                 f"Something else changed these files. Fix: reinstall a pristine copy "
-                f"(pip install --force-reinstall --no-deps {target.name}=={target.version}), "
+                f"(pip install --force-reinstall --no-deps {_pip_name(target)}=={target.version}), "
                 f"then run: python -m tunix_mcjax.patches apply {target.name}"
             )
 
@@ -148,8 +165,9 @@ def check(target: Target, root: Path) -> list[Path]:
 def apply(target: Target, root: Path) -> list[Path]:
     """Applies every patch not yet applied, in order; returns those it applied.
 
-    Refuses before changing anything when the version differs or any patch mismatches. The
-    series' patches touch disjoint files, so each patch's state is independent of the others.
+    Refuses before changing anything when the version differs or any patch mismatches. Each
+    patch of a series applies to the pristine tree alone (patches that share a file change
+    separate hunks of it), so each patch's state is independent of the others.
     """
     missing = check(target, root)
     for patch in missing:
