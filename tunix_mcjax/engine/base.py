@@ -45,12 +45,13 @@ class Engine(abc.ABC):
 
     @abc.abstractmethod
     def load_weights(self, params: Any) -> None:
-        """Takes a (possibly partial) param tree of the engine's model as a nested dict of arrays
-        (Tunix Qwen3's for the jax engine, MaxText's own for the maxtext engine).
+        """Takes a param tree of the engine's model as a nested dict of arrays (Tunix Qwen3's
+        for the jax and vllm engines, MaxText's own for the maxtext engine).
 
         Leaves may be numpy arrays or jax Arrays replicated over this host's devices (a global
-        fully-replicated array works: each device's addressable shard is used in place).
-        Leaves absent from `params` keep their current value.
+        fully-replicated array works: each device's addressable shard is used in place). The jax
+        and maxtext engines take partial trees (absent leaves keep their value); the vllm engine
+        takes only the whole tree (vLLM would accept a partial reload silently, so it refuses).
         """
 
     @property
