@@ -99,7 +99,7 @@ class ColocatedRuntime:
         self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps)
         self.start_step = self._maybe_restore()
         with self.watchdog.guard("publish", compiles=True):
-            self.publisher.publish(self.trainer.engine_params(), self.engine)
+            self._publish()
 
         self.run_dir = cfg.run_dir
         # Records of steps a resume re-runs are dropped: every step appears once.
@@ -204,7 +204,7 @@ class ColocatedRuntime:
         # A step the trainer did not apply (non-finite) changed nothing: nothing to publish.
         if self.nonfinite.applied(step, train_metrics, self.state.describe_last()):
             with timer.phase("publish"), self.watchdog.guard("publish", compiles=compiles):
-                self.publisher.publish(self.trainer.engine_params(), self.engine)
+                self._publish()
         train_metrics = {**train_metrics, "nonfinite_steps": self.nonfinite.count}
         lens = np.array([len(c.tokens) for c in completions])
         lens_by_prompt = lens.reshape(len(local_idx), -1).mean(1)
@@ -216,6 +216,10 @@ class ColocatedRuntime:
         self._pending = (step, record)
         if not cfg.rl_async_metrics_export:
             self._flush_metrics()
+
+    def _publish(self) -> None:
+        self.publisher.publish(self.trainer.engine_params(), self.engine,
+                               gathered=self.trainer.engine_params_gathered)
 
     def _record_lengths(self, local_idx, lens_by_prompt) -> None:
         """Mean completion length per prompt, shared by all hosts for O3's expected output."""
