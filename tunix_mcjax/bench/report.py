@@ -142,21 +142,36 @@ def arm_summary(a: ArmRun, first_scored: int) -> dict:
     }
 
 
-def ratio(num: RunLog, den: RunLog, first_scored: int, seed: int) -> dict:
-    """T_num / T_den per step and per generated token, with bootstrap intervals."""
-    t_num, t_den = num.column("step_s", first_scored), den.column("step_s", first_scored)
-    per_step = stats.bootstrap_ratio(t_num, t_den, seed=seed)
-    per_tok = stats.bootstrap_ratio(
-        stats.per_token(t_num, num.column("tokens_generated", first_scored)),
-        stats.per_token(t_den, den.column("tokens_generated", first_scored)), seed=seed + 1)
+def _launch_columns(arm: ArmRun, key: str, first_scored: int) -> list[np.ndarray]:
+    return [run.column(key, first_scored) for run in arm.launches]
+
+
+def ratio(num: ArmRun, den: ArmRun, first_scored: int, seed: int) -> dict:
+    """T_num / T_den per step and per generated token, with launch/block bootstrap intervals."""
+    t_num, t_den = (_launch_columns(a, "step_s", first_scored) for a in (num, den))
+    per_step = stats.launch_bootstrap_ratio(t_num, t_den, seed=seed)
+    per_tok = stats.launch_bootstrap_ratio(
+        [stats.per_token(t, n) for t, n in zip(
+            t_num, _launch_columns(num, "tokens_generated", first_scored), strict=True)],
+        [stats.per_token(t, n) for t, n in zip(
+            t_den, _launch_columns(den, "tokens_generated", first_scored), strict=True)],
+        seed=seed + 1)
     out = {**per_step.as_dict(), "per_token": per_tok.as_dict(),
            "faster": stats.is_faster(per_step) and stats.is_faster(per_tok)}
-    if any(r["compiled"] for log in (num, den) for r in log.records if r["step"] >= first_scored):
+    logs = (num.log, den.log)
+    if any(r["compiled"] for log in logs for r in log.records if r["step"] >= first_scored):
         # Compile time charged back: total second-pass time, compile steps included.
         totals = [sum(r["step_s"] for r in log.records if r["step"] >= first_scored)
-                  for log in (num, den)]
+                  for log in logs]
         out["with_compile"] = totals[0] / totals[1]
     return out
+
+
+def _imbalance_ratio(num: ArmRun, den: ArmRun, first_scored: int, seed: int) -> dict | None:
+    sides = [[rollout_imbalance(run, first_scored) for run in a.launches] for a in (num, den)]
+    if any(x is None for side in sides for x in side):
+        return None
+    return stats.launch_bootstrap_ratio(*sides, seed=seed).as_dict()
 
 
 def equal_work(ref: ArmRun, other: ArmRun, first_scored: int) -> dict:
@@ -189,15 +204,14 @@ def build_report(runs: list[ArmRun], reference: str, first_scored: int, *, ablat
             for name, r in at.items():
                 if name == ref:
                     continue
-                num, den = (at[ref].log, r.log) if ablation else (r.log, at[ref].log)
+                num, den = (at[ref], r) if ablation else (r, at[ref])
                 key = f"{ref}_over_{name}" if ablation else f"{name}_over_{ref}"
                 ratios[key] = ratio(num, den, first_scored, seed)
                 if ablation:
                     ratios[key]["moved"] = moved_phase(arms[ref], arms[name])
-                    imbalances = [rollout_imbalance(log, first_scored) for log in (num, den)]
-                    if all(x is not None for x in imbalances):
-                        ratios[key]["imbalance"] = stats.bootstrap_ratio(
-                            *imbalances, seed=seed + 2).as_dict()
+                    imbalance = _imbalance_ratio(num, den, first_scored, seed + 2)
+                    if imbalance is not None:
+                        ratios[key]["imbalance"] = imbalance
                 else:
                     ratios[key]["gap_by_phase_s"] = gap_by_phase(arms[name], arms[ref])
                 if ref == reference:
@@ -220,7 +234,8 @@ def markdown(report: dict) -> str:
     """The report's tables."""
     lines = [f"# Step-time benchmark: {report['profile']}", "",
              f"Scored: steps {report['first_scored_step']}+ (second pass), compile steps "
-             f"excluded; intervals: 95% percentile bootstrap, {stats.RESAMPLES} resamples.", ""]
+             f"excluded; intervals: 95% percentile bootstrap, {stats.RESAMPLES} resamples of "
+             f"launches and, in each, of {stats.BLOCK_STEPS}-step blocks.", ""]
     for key, at in report["by_hosts"].items():
         lines += [f"## {key} host(s) x {report['devices_per_host']} device(s)", "",
                   "| arm | median step s | s / 1k tokens | host share | rollout max/mean | "
