@@ -16,16 +16,17 @@ from tunix_mcjax.bench import stats
 from tunix_mcjax.bench.equal_work import RunLog, check_equal_work
 
 PHASES = ("admit", "generate", "reward", "pack", "train", "publish")
-DEVICE_PHASES = ("generate", "train")
 # Tunix admits inside generate and packs inside its loop, so gaps compare these groups.
 GAP_GROUPS = {"rollout": ("admit", "generate"), "reward": ("reward",), "train": ("train",),
               "publish": ("publish",), "pack+other": ("pack", "other")}
 HOST_SHARE = (
-    "Host share is the part of a step spent outside the two phases that run the model on the "
-    "devices, generate and train: 1 - (generate + train) / step, median over scored steps. It "
-    "counts admission, reward, packing, weight publication, metrics and loop bookkeeping. "
-    "Generate and train also hold host work (dispatch, decode-loop control), so it is a lower "
-    "bound on host-side work."
+    "Host share is measured in the traced launch (`--trace-steps`): 1 - device busy, where "
+    "device busy is the share of a step's wall time in which XLA's execution threads run a "
+    "program (compute and the collectives inside programs), median over traced steps and "
+    "hosts. The rest is host work: Python, dispatch, admission, reward, packing, cross-host "
+    "exchanges outside programs, publication and metrics. Dispatches are jitted-program calls "
+    "from Python, host syncs the Python thread's waits on a device buffer, per step; train-step "
+    "collectives are read from the train step's optimized HLO (result bytes per device)."
 )
 
 ROLLOUT_IMBALANCE = (
@@ -70,12 +71,6 @@ def gap_by_phase(arm: dict, ref: dict) -> dict[str, float]:
     return gaps
 
 
-def host_share(run: RunLog, first_scored: int) -> float:
-    shares = [1 - sum(r["phase_s"].get(p, 0.0) for p in DEVICE_PHASES) / r["step_s"]
-              for r in run.scored(first_scored)]
-    return float(np.median(shares))
-
-
 def rollout_imbalance(run: RunLog, first_scored: int) -> np.ndarray | None:
     """Per scored step, the slowest host's generate time over the hosts' mean (1 = balanced).
 
@@ -118,7 +113,7 @@ def decode_token_imbalance(host_records: list[dict], first_scored: int) -> float
     return float(np.median([max(t) / np.mean(t) for t in by_step.values()]))
 
 
-def arm_summary(a: ArmRun, first_scored: int) -> dict:
+def arm_summary(a: ArmRun, first_scored: int, fixed_cost: dict | None = None) -> dict:
     scored = a.log.scored(first_scored)
     if not scored:
         raise ValueError(f"{a.log.name}: no steady steps from step {first_scored}")
@@ -133,7 +128,8 @@ def arm_summary(a: ArmRun, first_scored: int) -> dict:
         "phase_median_s": phase_table(a.log, first_scored),
         "mean_step_s": float(np.mean(step_s)),
         "phase_mean_s": phase_table(a.log, first_scored, np.mean),
-        "host_share": host_share(a.log, first_scored),
+        "host_share": None if fixed_cost is None else fixed_cost["host_share"],
+        "fixed_cost": fixed_cost,
         "rollout_imbalance": None if imbalance is None else float(np.median(imbalance)),
         "steady_steps": len(scored),
         "compiled_scored_steps": len(second_pass) - len(scored),
@@ -192,12 +188,16 @@ def moved_phase(base: dict, variant: dict) -> dict:
 
 
 def build_report(runs: list[ArmRun], reference: str, first_scored: int, *, ablation: bool,
-                 context: dict, seed: int = 0) -> dict:
-    """The report for every host count; top-level fields mirror the largest host count."""
+                 context: dict, seed: int = 0,
+                 fixed_cost: dict[tuple[str, int], dict] | None = None) -> dict:
+    """The report for every host count; top-level fields mirror the largest host count.
+    `fixed_cost`: (arm, hosts) -> `bench.trace.summarize` of that arm's traced launch."""
+    fixed_cost = fixed_cost or {}
     by_hosts = {}
     for hosts in sorted({r.hosts for r in runs}):
         at = {r.arm: r for r in runs if r.hosts == hosts}
-        arms = {name: arm_summary(r, first_scored) for name, r in at.items()}
+        arms = {name: arm_summary(r, first_scored, fixed_cost.get((name, hosts)))
+                for name, r in at.items()}
         refs = [reference] if ablation else [a for a in (reference, f"{reference}+opt") if a in at]
         ratios, pairs = {}, {}
         for ref in refs:
@@ -226,6 +226,26 @@ def build_report(runs: list[ArmRun], reference: str, first_scored: int, *, ablat
             **top, "by_hosts": by_hosts}
 
 
+def fixed_cost_table(arms: dict[str, dict]) -> list[str]:
+    """Markdown lines: each traced arm's fixed cost per step (none without traces)."""
+    traced = {name: a["fixed_cost"] for name, a in arms.items() if a.get("fixed_cost")}
+    if not traced:
+        return []
+    lines = ["", "Fixed cost per step (traced launch; medians over its traced steps and hosts):",
+             "", "| arm | train-step collectives | collective bytes | dispatches | host syncs | "
+             "device busy | host share | traced step s |", "|---" * 8 + "|"]
+    for name, f in traced.items():
+        c = f["train_step_collectives"]
+        kinds = "-" if c is None else ", ".join(
+            f"{v['count']} {k}" for k, v in c.items() if k != "total") or "0"
+        total = "-" if c is None else f"{c['total']['count']} ({kinds})"
+        size = "-" if c is None else f"{c['total']['bytes'] / 1e6:.3f} MB"
+        lines.append(f"| {name} | {total} | {size} | {f['dispatches']:.0f} | "
+                     f"{f['host_syncs']:.0f} | {f['device_busy']:.0%} | {f['host_share']:.0%} | "
+                     f"{f['wall_s']:.3f} |")
+    return lines
+
+
 def _fmt_ci(r: dict) -> str:
     return f"{r['median']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
 
@@ -245,10 +265,12 @@ def markdown(report: dict) -> str:
             ph = a["phase_median_s"]
             cells = [f"{ph[p]:.3f}" if p in ph else "-" for p in (*PHASES, "other")]
             imbalance = a.get("rollout_imbalance")
+            share = "-" if a["host_share"] is None else f"{a['host_share']:.0%}"
             lines.append(f"| {name} | {a['median_step_s']:.3f} | {a['median_s_per_1k_tokens']:.3f}"
-                         f" | {a['host_share']:.0%} | "
+                         f" | {share} | "
                          f"{'-' if imbalance is None else f'{imbalance:.3f}'} | "
                          + " | ".join(cells) + f" | {a['steady_steps']} |")
+        lines += fixed_cost_table(at["arms"])
         verdict = ("step-time change (per-step interval excludes 1) | phase moved most | "
                    "rollout max/mean, base / variant" if report["ablation"] else
                    f"faster (both lower bounds > {stats.FASTER_MARGIN})")
