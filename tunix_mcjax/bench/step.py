@@ -21,7 +21,11 @@ the predictor's best case), and a host's rollout time follows its token load. Ad
 
 Protocol: 20 batches twice (40 steps); the second pass is scored, compile steps excluded.
 Runs go one at a time; with --launches N, round robin over the arms N times, and statistics pool
-the launches' steady steps. Each run's log is in <out>/logs/, its steps in <out>/runs/.
+the launches' steady steps (intervals resample launches, then blocks of steps: bench.stats).
+--trace-steps N adds one launch per arm (not timed) whose steps B+1..B+N run under the JAX
+profiler; its per-step fixed cost (train-step collectives, dispatches, host syncs, device-busy
+share: bench.trace) goes to <out>/runs/<arm>-h<H>-trace/fixed_cost.json and the report.
+Each run's log is in <out>/logs/, its steps in <out>/runs/, traces in <out>/traces/.
 Outputs: <out>/report.json, report.md and PNGs (see tunix_mcjax.bench.report for definitions).
 """
 
@@ -307,10 +311,12 @@ def main(argv: list[str] | None = None) -> None:
     if not args.report_only:
         for run in traced:
             print(f"[trace] {run.name}: {args.trace_steps} steps under the profiler", flush=True)
-            execute(run, recipe, out, args.set, steps, args.timeout_s,
-                    trace_window(run, out, first_scored, args.trace_steps))
-    fixed_cost = {(run.arm, run.hosts): trace.summarize(
-        trace_window(run, out, first_scored, args.trace_steps).out) for run in traced}
+            window = trace_window(run, out, first_scored, args.trace_steps)
+            execute(run, recipe, out, args.set, steps, args.timeout_s, window)
+            (out / "runs" / run.name / "fixed_cost.json").write_text(
+                json.dumps(trace.summarize(window.out), indent=2) + "\n")
+    fixed_cost = {(run.arm, run.hosts): json.loads(
+        (out / "runs" / run.name / "fixed_cost.json").read_text()) for run in traced}
     context = {"profile": profile.name, "character": profile.character,
                "devices_per_host": args.devices_per_host, "overrides": args.set,
                "steps": steps, "batches": profiles.BATCHES, "launches": args.launches}
