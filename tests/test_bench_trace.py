@@ -27,6 +27,7 @@ def _write_trace(path: Path) -> None:
                x(1, "PjitFunction(_flat_update)", 1, 1), x(5, "PjitFunction(_train_step)", 3, 1),
                x(1, trace.SYNC, 5, 3), x(3, "PjitFunction(on a device thread)", 5, 1),
                x(5, "$api.py:3095 block_until_ready", 8, 1),
+               x(1, "$trainer.py:337 step", 5, 5),  # device busy 5-8 ms inside it
                x(2, "fusion", 19, 5)]
     path.parent.mkdir(parents=True, exist_ok=True)
     with gzip.open(path, "wt") as f:
@@ -37,7 +38,9 @@ def test_step_costs_union_device_time_and_count_python_events(tmp_path):
     _write_trace(tmp_path / "t.trace.json.gz")
     three, four = trace.step_costs(tmp_path / "t.trace.json.gz")
     assert three == {"step": 3, "wall_s": pytest.approx(0.01),
-                     "device_busy": pytest.approx(0.6), "dispatches": 2, "host_syncs": 2}
+                     "device_busy": pytest.approx(0.6), "dispatches": 2, "host_syncs": 2,
+                     "phases": {"train": {"wall_s": pytest.approx(0.005),
+                                          "device_s": pytest.approx(0.003)}}}
     assert four["device_busy"] == pytest.approx(0.1)  # clipped at the step's end
     assert (four["dispatches"], four["host_syncs"]) == (0, 0)
 

@@ -23,10 +23,11 @@ HOST_SHARE = (
     "Host share is measured in the traced launch (`--trace-steps`): 1 - device busy, where "
     "device busy is the share of a step's wall time in which XLA's execution threads run a "
     "program (compute and the collectives inside programs), median over traced steps and "
-    "hosts. The rest is host work: Python, dispatch, admission, reward, packing, cross-host "
-    "exchanges outside programs, publication and metrics. Dispatches are jitted-program calls "
-    "from Python, host syncs the Python thread's waits on a device buffer, per step; train-step "
-    "collectives are read from the train step's optimized HLO (result bytes per device)."
+    "hosts. The rest is host work: Python, dispatch, admission, reward, packing, the small "
+    "cross-host exchanges (run inline on the Python thread), publication and metrics. "
+    "Dispatches are jitted-program calls from Python, host syncs device values read back into "
+    "Python, per step; train-step collectives are read from the train step's optimized HLO "
+    "(result bytes per device)."
 )
 
 ROLLOUT_IMBALANCE = (

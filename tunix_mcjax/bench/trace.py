@@ -9,11 +9,15 @@ the steps it covers, so no timed statistic uses them). The launch finds its wind
 
 Per traced step, from the trace (CPU backend):
 * device busy: the union of XLA's execution-thread events (threads `tf_XLA*`: the programs'
-  compute and the collectives inside them) over the step's wall time;
+  compute and the collectives inside them) over the step's wall time. Tiny programs that XLA's
+  CPU client runs inline on the calling Python thread (the cross-host all-gathers of packing
+  and metrics) count as host time: they are the step's coordination cost;
 * dispatches: jitted-program calls from Python (`PjitFunction(...)` events);
 * host syncs: device values read back into Python (`np.asarray(jax.Array)`, one per array,
   and `block_until_ready` calls): each waits until the value is computed.
-Python events count on every thread but XLA's (Tunix trains on a thread of its own).
+Python events count on every thread but XLA's (Tunix trains on a thread of its own). For our
+runtime each phase function's wall time and the device-busy time inside it are kept too
+(`phases`: where a step's host time goes).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import dataclasses
 import gzip
 import json
 import os
+import re
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -34,6 +39,9 @@ STEP_EVENT = "bench_step_"
 # XLA programs of the train step: ours (Trainer._update / _flat_update), Tunix's PeftTrainer.
 TRAIN_MODULES = r".*(_update|train_step).*"
 DEVICE_THREADS = "tf_XLA"
+# Our runtime's phase functions (Python tracer events), for where a step's host time goes.
+PHASE_EVENT = re.compile(r"\$(?:colocated\.py:\d+ (admit|generate|score|pack|_publish|"
+                         r"_gather_metrics)|trainer\.py:\d+ (step))$")
 DISPATCH = "PjitFunction("
 SYNC = "np.asarray(jax.Array)"
 WAIT = " block_until_ready"
@@ -110,8 +118,17 @@ def step_costs(trace_file: Path) -> list[dict]:
                 if threads.get((e["pid"], e["tid"]), "").startswith(DEVICE_THREADS)]
         python = [e for e in inside
                   if not threads.get((e["pid"], e["tid"]), "").startswith("tf_")]
+        phases = {}
+        for e in python:
+            m = PHASE_EVENT.match(e["name"])
+            if m:
+                lo, hi = e["ts"], e["ts"] + e["dur"]
+                device = _union_seconds([(max(x, lo), min(y, hi)) for x, y in busy
+                                         if y > lo and x < hi])
+                name = "train" if m.group(2) else m.group(1).lstrip("_")
+                phases[name] = {"wall_s": e["dur"] / 1e6, "device_s": device}
         out.append({"step": int(s["name"][len(STEP_EVENT):]), "wall_s": s["dur"] / 1e6,
-                    "device_busy": _union_seconds(busy) / (s["dur"] / 1e6),
+                    "phases": phases, "device_busy": _union_seconds(busy) / (s["dur"] / 1e6),
                     "dispatches": sum(e["name"].startswith(DISPATCH) for e in python),
                     "host_syncs": sum(e["name"] == SYNC or e["name"].endswith(WAIT)
                                       for e in python)})
@@ -136,6 +153,10 @@ def summarize(trace_dir: Path) -> dict:
         raise ValueError(f"{trace_dir}: no traced steps (no host_*/**/*.trace.json.gz)")
     summary = {k: float(np.median([s[k] for s in steps]))
                for k in ("wall_s", "device_busy", "dispatches", "host_syncs")}
+    names = dict.fromkeys(p for s in steps for p in s["phases"])
+    summary["phases"] = {p: {k: float(np.median([s["phases"][p][k] for s in steps
+                                                 if p in s["phases"]]))
+                             for k in ("wall_s", "device_s")} for p in names}
     return {**summary, "host_share": 1 - summary["device_busy"], "traced_steps": len(steps),
             "hosts": len(per_host),
             "train_step_collectives": train_step_collectives(trace_dir / "hlo")}
