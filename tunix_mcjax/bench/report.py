@@ -244,6 +244,15 @@ def fixed_cost_table(arms: dict[str, dict]) -> list[str]:
         lines.append(f"| {name} | {total} | {size} | {f['dispatches']:.0f} | "
                      f"{f['host_syncs']:.0f} | {f['device_busy']:.0%} | {f['host_share']:.0%} | "
                      f"{f['wall_s']:.3f} |")
+    phased = {name: f["phases"] for name, f in traced.items() if f.get("phases")}
+    names = list(dict.fromkeys(p for phases in phased.values() for p in phases))
+    if phased:
+        lines += ["", "Traced step by phase function, wall ms (device-busy ms inside):", "",
+                  "| arm | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for name, phases in phased.items():
+            lines.append(f"| {name} | " + " | ".join(
+                f"{phases[p]['wall_s'] * 1e3:.1f} ({phases[p]['device_s'] * 1e3:.1f})"
+                if p in phases else "-" for p in names) + " |")
     return lines
 
 
