@@ -62,3 +62,26 @@ def test_per_token_divides_step_by_step():
 def test_faster_verdict_needs_lower_bound_above_margin():
     assert stats.is_faster(stats.Interval(2.0, 1.2, 2.5))
     assert not stats.is_faster(stats.Interval(2.0, 1.1, 2.5))
+
+
+def test_launch_bootstrap_counts_launch_to_launch_drift():
+    """Three launches at different machine loads: resampling steps as independent hides the
+    launch effect; resampling launches (then blocks) shows it as a wider interval."""
+    rng = np.random.default_rng(2)
+    arm = [level + 0.01 * rng.standard_normal(20) for level in (1.0, 1.1, 1.2)]
+    ref = [1.0 + 0.01 * rng.standard_normal(20) for _ in range(3)]
+    by_launch = stats.launch_bootstrap_ratio(arm, ref, resamples=2000)
+    by_step = stats.bootstrap_ratio(np.concatenate(arm), np.concatenate(ref), resamples=2000)
+    assert by_launch.point == pytest.approx(by_step.point)
+    assert by_launch.high - by_launch.low > 3 * (by_step.high - by_step.low)
+    assert by_launch.low < 1.02 and by_launch.high > 1.18  # one launch drawn thrice
+
+
+def test_block_bootstrap_is_deterministic_and_keeps_constant_samples_exact():
+    a = [np.linspace(1, 2, 20)]
+    first = stats.launch_bootstrap_ratio(a, [np.full(20, 0.5)], resamples=300, seed=5)
+    assert first == stats.launch_bootstrap_ratio(a, [np.full(20, 0.5)], resamples=300, seed=5)
+    got = stats.launch_bootstrap_ratio([[3.0] * 7, [3.0] * 9], [[1.5] * 8], resamples=50)
+    assert (got.point, got.low, got.high) == (2.0, 2.0, 2.0)
+    with pytest.raises(ValueError):
+        stats.launch_bootstrap_ratio([], [[1.0]])

@@ -23,9 +23,10 @@ BATCH_AXIS = "fsdp"  # packed rows shard over the trainer mesh's fsdp axis
 
 def _rows_sharded(x: jax.Array) -> jax.Array:
     """Keeps activations sharded by rows under a mesh with an fsdp axis (FSDP-style compute when
-    params are sharded: XLA gathers weights, not activations); a no-op elsewhere."""
+    params are sharded: XLA gathers weights, not activations); a no-op elsewhere, and inside
+    shard_map, where the rows are already one device's."""
     mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or BATCH_AXIS not in mesh.axis_names:
+    if mesh.empty or BATCH_AXIS not in mesh.axis_names or BATCH_AXIS in mesh.manual_axes:
         return x
     return jax.lax.with_sharding_constraint(x, jax.P(BATCH_AXIS))
 

@@ -6,6 +6,8 @@ With O4 (`rl_publish_weights_single_call`) the whole tree moves in one gather an
 load; without it, one gather and one load per leaf, as the paper's base does. `publish` returns
 only when every gather has completed, so the cross-host wait happens inside the publish phase
 (under its watchdog guard, and counted in `publish_s`), not in the next rollout.
+Params that are already in full on every device (`gathered=True`: the flat train step's own
+all-gathered output) are loaded as they are: no gather, and the engine keeps those buffers.
 """
 
 from __future__ import annotations
@@ -34,16 +36,20 @@ class Publisher:
         self.gather_calls = 0
         self.load_calls = 0
 
-    def publish(self, engine_params: dict, engine: Engine) -> None:
+    def publish(self, engine_params: dict, engine: Engine, gathered: bool = False) -> None:
+        """Loads `engine_params` (global arrays) into `engine`; `gathered`: they are already
+        replicated over the mesh."""
         with jax.set_mesh(self.mesh):
             if self.single_call:
-                engine.load_weights(self._gather(engine_params))
+                engine.load_weights(self._gather(engine_params, gathered))
                 self.load_calls += 1
                 return
             for path, leaf in jax.tree_util.tree_flatten_with_path(engine_params)[0]:
-                engine.load_weights(_nest(path, self._gather(leaf)))
+                engine.load_weights(_nest(path, self._gather(leaf, gathered)))
                 self.load_calls += 1
 
-    def _gather(self, tree: Any) -> Any:
+    def _gather(self, tree: Any, gathered: bool) -> Any:
+        if gathered:
+            return tree
         self.gather_calls += 1
         return jax.block_until_ready(self._replicate(tree))

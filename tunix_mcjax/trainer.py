@@ -6,6 +6,12 @@ scored in sequence chunks (`train_logits_chunk_tokens`), params are gathered onc
 (`fsdp_gather_params_once`, `memory.gather_params_once`), and `train_micro_batch_size` splits the
 step's rows into micro-batches whose gradients accumulate into one update. A non-finite loss or
 gradient norm leaves params and optimizer state exactly as they were (`finite` = 0).
+
+Gathered once, a policy that runs per device (`Policy.per_device`) trains data parallel inside
+`shard_map` with flat collectives (`fsdp_flat`): the step takes the full params it gathered at
+the end of the previous step, reduce-scatters every gradient in one buffer, updates the shards
+with the same optax transformation, and all-gathers the new shards in one buffer; those full
+params feed the next step and the engine (`engine_params`), so publishing gathers nothing.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from tunix_mcjax import memory, packed_qwen3
+from tunix_mcjax import fsdp_flat, memory, packed_qwen3
 from tunix_mcjax.config import Config
 from tunix_mcjax.loss import (
     chunked_token_logps,
@@ -57,6 +63,9 @@ class Policy:
     to_engine_params: Callable[[nnx.State], dict]
     hidden: HiddenFn | None = None
     unembed: UnembedFn | None = None
+    # The forward holds no sharding constraints of its own, so it can run on one device's rows
+    # inside shard_map (the flat data-parallel step).
+    per_device: bool = False
 
 
 def packed_attention_mask(segment_ids: jax.Array) -> jax.Array:
@@ -89,7 +98,7 @@ def qwen3_policy(model: nnx.Module) -> tuple[Policy, nnx.State]:
     """A Tunix Qwen3 model as a Policy, plus its params. The engine runs the same tree."""
     graphdef, params = nnx.split(model, nnx.Param)
     return Policy(graphdef, _qwen3_forward, nnx.to_pure_dict, _qwen3_hidden,
-                  _qwen3_unembed), params
+                  _qwen3_unembed, per_device=True), params
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -111,6 +120,9 @@ def param_bytes_each(params: Any) -> tuple[int, int]:
     return sum(x.size for x in leaves), max(x.dtype.itemsize for x in leaves)
 
 
+SUM_KEYS = ("loss", "tokens", "kl_loss", "kl_sum")
+
+
 class Trainer:
     """Holds the global (FSDP) params and optimizer state; one jitted update per step."""
 
@@ -127,18 +139,20 @@ class Trainer:
                 "train_logits_chunk_tokens=0 and remat_policy=none (its model's remat applies)")
         self.cfg, self.policy, self.mesh = cfg, policy, mesh
         self.tx = tx or make_optimizer(cfg)
-        self.params = params
         self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
         count, width = param_bytes_each(params)
         devices = mesh.devices.size
-        # Gathering every FSDP shard once per forward makes the compute plain data parallel: one
-        # all-gather per leaf and one combined gradient reduction, instead of the per-op
-        # collectives XLA's partitioner otherwise inserts (~70 -> 16 on Qwen3-tiny); it costs a
-        # full replica of params and gradients per device.
+        # Gathering every FSDP shard once per forward makes the compute plain data parallel:
+        # with a per-device policy, one flat all-gather and one flat reduce-scatter per step
+        # (`fsdp_flat`); otherwise one all-gather per leaf and one combined gradient reduction
+        # instead of the per-op collectives XLA's partitioner inserts. It costs a full replica of
+        # params and gradients per device.
         self.gather_params_once = memory.gather_params_once(
             cfg.fsdp_gather_params_once, param_count=count, bytes_per_param=width,
             num_devices=devices, device_memory_bytes=memory.device_memory_bytes(
                 mesh.local_mesh.devices.flat[0], mesh.local_mesh.devices.size))
+        self.flat = fsdp_flat.layout(params, mesh) \
+            if self.gather_params_once and policy.per_device else None
         replicated = jax.NamedSharding(mesh, jax.P())
         self.gathered = jax.tree.map(lambda _: replicated, params)
         # Optimizer moments shard like their params (replicated scalars otherwise), and keep
@@ -148,15 +162,52 @@ class Trainer:
             self.param_shardings, transform_non_params=lambda _: replicated)
         with jax.set_mesh(mesh):
             self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+        self.params = params
         self.ref_params = jax.tree.map(jnp.copy, params) if cfg.grpo_beta else None
         self.micro_batches = memory.num_micro_batches(cfg.batch_size, cfg.train_micro_batch_size)
         self.batch_sharding = jax.NamedSharding(mesh, jax.P(None, "fsdp"))
         self._step = jax.jit(self._update, static_argnames=("off_policy",), donate_argnums=(0, 1))
+        if self.flat is not None:
+            self._flat_step = jax.jit(self._flat_update, static_argnames=("off_policy",),
+                                      donate_argnums=(0, 1))
+            self._gather = jax.jit(self._all_gather, out_shardings=self.gathered)
         self.off_policy = off_policy
 
-    def _logps(self, params, batch):
+    # Full params of the flat step: computed from `params` when it is set (start, restore),
+    # then the step's own output.
+    @property
+    def params(self) -> nnx.State:
+        return self._params
+
+    @params.setter
+    def params(self, value: nnx.State) -> None:
+        self._params, self._full = value, None
+
+    @property
+    def ref_params(self) -> nnx.State | None:
+        return self._ref_params
+
+    @ref_params.setter
+    def ref_params(self, value: nnx.State | None) -> None:
+        self._ref_params, self._ref_full = value, None
+
+    def full_params(self) -> nnx.State:
+        """The params gathered in full on every device (flat step only)."""
+        if self._full is None:
+            with jax.set_mesh(self.mesh):
+                self._full = self._gather(self._params)
+        return self._full
+
+    def _ref_full_params(self) -> nnx.State | None:
+        if self._ref_params is not None and self._ref_full is None:
+            with jax.set_mesh(self.mesh):
+                self._ref_full = self._gather(self._ref_params)
+        return self._ref_full
+
+    def _logps(self, params, batch, row_shards: int):
+        """Token logprobs of `batch`; its rows are split over `row_shards` devices."""
         cfg, policy = self.cfg, self.policy
-        if self.gather_params_once:
+        if self.gather_params_once and self.flat is None:
             params = jax.lax.with_sharding_constraint(params, self.gathered)
         model = nnx.merge(policy.graphdef, params)
         args = (batch["tokens"], batch["positions"], batch["segment_ids"])
@@ -167,39 +218,41 @@ class Trainer:
             policy.hidden(model, *args, remat=cfg.remat_policy == "full"), batch["targets"],
             functools.partial(policy.unembed, model), temperature,
             chunk_tokens=cfg.train_logits_chunk_tokens,
-            rows_per_device=batch["tokens"].shape[0] // self.mesh.shape["fsdp"])
+            rows_per_device=batch["tokens"].shape[0] // row_shards)
 
-    def _loss(self, params, ref_params, batch, off_policy):
-        logps = self._logps(params, batch)
+    def _loss(self, params, ref_params, batch, off_policy, row_shards):
+        logps = self._logps(params, batch, row_shards)
         ref_logps = None
         if ref_params is not None:
-            ref_logps = jax.lax.stop_gradient(self._logps(ref_params, batch))
+            ref_logps = jax.lax.stop_gradient(self._logps(ref_params, batch, row_shards))
         per_token = grpo_token_terms(logps, batch, ref_logps, beta=self.cfg.grpo_beta,
                                      epsilon=self.cfg.grpo_epsilon, off_policy=off_policy)
         sums = step_sums(logps, ref_logps, per_token, batch)
         return sums["loss"], sums
 
-    def _grads(self, params, ref_params, batch, off_policy):
-        """(sums, grads) over the step's micro-batches (leading axis of every batch array)."""
+    def _grads(self, params, ref_params, batch, off_policy, *, row_shards: int,
+               grad_shardings: Any = None):
+        """(sums, grads) over the step's micro-batches (leading axis of every batch array);
+        with `grad_shardings`, each micro-batch's gradient is reduced to them."""
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         if batch["tokens"].shape[0] == 1:
             (_, sums), grads = grad_fn(params, ref_params, jax.tree.map(lambda x: x[0], batch),
-                                       off_policy)
+                                       off_policy, row_shards)
             return sums, grads
 
         def micro(acc, mb):
-            (_, sums), grads = grad_fn(params, ref_params, mb, off_policy)
-            grads = jax.lax.with_sharding_constraint(grads, self.param_shardings)
+            (_, sums), grads = grad_fn(params, ref_params, mb, off_policy, row_shards)
+            if grad_shardings is not None:
+                grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             return jax.tree.map(jnp.add, acc, (sums, grads)), None
 
-        zero_sums = {k: jnp.zeros((), jnp.float32) for k in ("loss", "tokens", "kl_loss",
-                                                             "kl_sum")}
+        zero_sums = {k: jnp.zeros((), jnp.float32) for k in SUM_KEYS}
         zero_grads = jax.tree.map(jnp.zeros_like, params)
         (sums, grads), _ = jax.lax.scan(micro, (zero_sums, zero_grads), batch)
         return sums, grads
 
-    def _update(self, params, opt_state, ref_params, batch, off_policy):
-        sums, grads = self._grads(params, ref_params, batch, off_policy)
+    def _apply(self, params, opt_state, grads, sums):
+        """The optax update, kept only where loss and gradient norm are finite."""
         grad_norm = optax.global_norm(grads)
         finite = jnp.isfinite(sums["loss"]) & jnp.isfinite(grad_norm)
         updates, new_opt_state = self.tx.update(grads, opt_state, params)
@@ -216,6 +269,33 @@ class Trainer:
                    "kl": sums["kl_sum"] / jnp.maximum(sums["tokens"], 1.0),
                    "kl_loss": sums["kl_loss"], "finite": finite.astype(jnp.float32)}
         return params, opt_state, metrics
+
+    def _update(self, params, opt_state, ref_params, batch, off_policy):
+        sums, grads = self._grads(params, ref_params, batch, off_policy,
+                                  row_shards=self.mesh.shape["fsdp"],
+                                  grad_shardings=self.param_shardings)
+        return self._apply(params, opt_state, grads, sums)
+
+    def _all_gather(self, params):
+        return jax.shard_map(functools.partial(fsdp_flat.all_gather, self.flat), mesh=self.mesh,
+                             in_specs=(fsdp_flat.specs(self.flat),), out_specs=jax.P(),
+                             check_vma=False)(params)
+
+    def _flat_update(self, params, opt_state, full, ref_full, batch, off_policy):
+        """Data parallel on full params: one reduce-scatter of every gradient and the loss
+        sums, the update on shards, one all-gather of the new shards (the next step's `full`)."""
+        def local_grads(full, ref_full, batch):
+            sums, grads = self._grads(full, ref_full, batch, off_policy, row_shards=1)
+            shards, summed = fsdp_flat.reduce_scatter(
+                self.flat, grads, jnp.stack([sums[k] for k in SUM_KEYS]))
+            return shards, dict(zip(SUM_KEYS, summed, strict=True))
+
+        grads, sums = jax.shard_map(
+            local_grads, mesh=self.mesh, in_specs=(jax.P(), jax.P(), jax.P(None, "fsdp")),
+            out_specs=(fsdp_flat.specs(self.flat), jax.P()), check_vma=False)(
+                full, ref_full, batch)
+        params, opt_state, metrics = self._apply(params, opt_state, grads, sums)
+        return params, opt_state, self._all_gather(params), metrics
 
     def micro_batch_layout(self, local_rows: int) -> tuple[int, int]:
         """(micro-batches, rows per device in each) for this host's `local_rows` packed rows."""
@@ -236,25 +316,50 @@ class Trainer:
         for key in BATCH_KEYS:
             x = local[key]
             x = x.reshape(local_devices, -1, *x.shape[1:])
-            x = np.concatenate([x, np.zeros((local_devices, n * per - x.shape[1], *x.shape[2:]),
-                                            x.dtype)], axis=1)
+            if n * per > x.shape[1]:
+                x = np.concatenate([x, np.zeros((local_devices, n * per - x.shape[1],
+                                                 *x.shape[2:]), x.dtype)], axis=1)
             x = x.reshape(local_devices, n, per, *x.shape[2:]).swapaxes(0, 1)
             x = x.reshape(n, local_devices * per, *x.shape[3:])
             shape = (n, local_devices * per * n_hosts, *x.shape[2:])
             out[key] = jax.make_array_from_process_local_data(self.batch_sharding, x, shape)
         return out
 
+    def lower(self, batch: dict[str, jax.Array]) -> jax.stages.Lowered:
+        """The train step this trainer runs, lowered for `batch` (no run)."""
+        with jax.set_mesh(self.mesh):
+            if self.flat is None:
+                return self._step.lower(self.params, self.opt_state, self.ref_params, batch,
+                                        off_policy=self.off_policy)
+            return self._flat_step.lower(self.params, self.opt_state, self.full_params(),
+                                         self._ref_full_params(), batch,
+                                         off_policy=self.off_policy)
+
     def step(self, local: dict[str, np.ndarray]) -> dict[str, float]:
         """One update; `loss`, `grad_norm`, `kl` (token mean), `kl_loss`, `finite` (0: skipped)."""
         batch = self.global_batch(local)
         with jax.set_mesh(self.mesh):
-            self.params, self.opt_state, metrics = self._step(
-                self.params, self.opt_state, self.ref_params, batch, off_policy=self.off_policy)
-        return {k: float(v) for k, v in metrics.items()}
+            if self.flat is None:
+                self.params, self.opt_state, metrics = self._step(
+                    self.params, self.opt_state, self.ref_params, batch,
+                    off_policy=self.off_policy)
+            else:
+                full, ref_full = self.full_params(), self._ref_full_params()
+                self._params, self.opt_state, self._full, metrics = self._flat_step(
+                    self._params, self.opt_state, full, ref_full, batch,
+                    off_policy=self.off_policy)
+        return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     @property
     def compile_count(self) -> int:
-        return self._step._cache_size()
+        return (self._step if self.flat is None else self._flat_step)._cache_size()
+
+    @property
+    def engine_params_gathered(self) -> bool:
+        """Whether `engine_params()` is already in full on every device (nothing to gather)."""
+        return self.flat is not None
 
     def engine_params(self) -> Any:
-        return self.policy.to_engine_params(self.params)
+        """The engine's param tree; with the flat step, built from its gathered full params."""
+        return self.policy.to_engine_params(self.params if self.flat is None
+                                            else self.full_params())

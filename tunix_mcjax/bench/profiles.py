@@ -1,10 +1,13 @@
 """Benchmark workloads: the paper's Table 1 at full scale, and scaled-down CPU versions.
 
-Every profile is a recipe (config keys) plus a synthetic GSM8K-format dataset whose prompt
+Most profiles are a recipe (config keys) plus a synthetic GSM8K-format dataset whose prompt
 lengths fill the profile's prompt budget. Timing needs the workload's shape, not its content:
 models are random-init and completions are forced to their full budget (`ignore_eos`), so
 every arm decodes the same number of tokens. The dataset holds exactly `batches` global
 batches, and `data_repeat_period` replays them: steps 0..B-1 and B..2B-1 see the same batches.
+`gsm8k-cpu-eos` honours EOS instead, so completions stop early and pack unevenly as in real
+RL; the equal-work rule (`bench.equal_work`) then checks that the arms' lengths agree.
+`demo-cpu` is `recipes/cpu/demo.yml`'s task and config (next digit, 2 new tokens).
 """
 
 from __future__ import annotations
@@ -32,24 +35,29 @@ class Profile:
     completion_budget: int
     prompt_chars: tuple[int, int]  # synthetic prompt length range (char tokenizer: chars)
     model: dict[str, Any] = dataclasses.field(default_factory=dict)
+    ignore_eos: bool = True
+    # Another task and its keys instead of the synthetic GSM8K rows (no data file).
+    task: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def recipe(self, data_file: str) -> dict[str, Any]:
         """Config keys shared by every arm."""
+        data = self.task or {"dataset_name": "gsm8k", "hf_train_files": data_file}
         return {
-            "dataset_name": "gsm8k",
-            "hf_train_files": data_file,
+            **data,
             "data_repeat_period": BATCHES,
             "steps": 2 * BATCHES,
             "batch_size": self.batch_size,
             "num_generations": self.num_generations,
             "max_prefill_predict_length": self.prompt_budget,
             "max_target_length": self.prompt_budget + self.completion_budget,
-            "ignore_eos": True,
+            "ignore_eos": self.ignore_eos,
             "tokenizer_type": "char",
             **self.model,
         }
 
 
+DEMO_MODEL = {"base_num_decoder_layers": 2, "base_emb_dim": 64, "base_mlp_dim": 128,
+              "base_num_query_heads": 4, "base_num_kv_heads": 2, "head_dim": 16}
 QWEN3_0P6B = {"model_name": "qwen3-0.6b", "dtype": "bfloat16", "weight_dtype": "float32"}
 
 PROFILES = {p.name: p for p in (
@@ -62,6 +70,12 @@ PROFILES = {p.name: p for p in (
     Profile("gsm8k-cpu", "balanced", 4, 16, 32, 128, (12, 31)),
     Profile("numina-cpu", "decode-heavy", 8, 8, 32, 192, (12, 31)),
     Profile("swe-cpu", "prefill-heavy", 8, 8, 256, 16, (160, 255)),
+    Profile("gsm8k-cpu-eos", "balanced, EOS honoured", 4, 16, 32, 128, (12, 31),
+            ignore_eos=False),
+    # recipes/cpu/demo.yml: 16 prompts x 32 samples, prompts "d=" (3 tokens with BOS).
+    Profile("demo-cpu", "overhead-bound", 16, 32, 4, 2, (3, 3), DEMO_MODEL, ignore_eos=False,
+            task={"dataset_name": "next_digit", "seed": 0, "learning_rate": 0.003,
+                  "grpo_beta": 0.0, "decode_sampling_temperature": 1.0}),
 )}
 
 
@@ -81,14 +95,16 @@ def synthetic_rows(profile: Profile, seed: int = 0) -> list[dict[str, str]]:
 
 
 def write_workload(profile: Profile, out_dir: Path, seed: int = 0) -> Path:
-    """Writes `<out_dir>/data.jsonl` and `<out_dir>/recipe.yml`; returns the recipe path.
+    """Writes `<out_dir>/recipe.yml` (and the synthetic rows, `data.jsonl`); returns its path.
 
     `out_dir` should be relative to the directory the arms run in: the recipe names the
     data file by that same path.
     """
     out_dir.mkdir(parents=True, exist_ok=True)
     data = out_dir / "data.jsonl"
-    data.write_text("".join(json.dumps(r) + "\n" for r in synthetic_rows(profile, seed)))
+    if not profile.task:
+        data.write_text("".join(json.dumps(r) + "\n"
+                                for r in synthetic_rows(profile, seed)))
     recipe = out_dir / "recipe.yml"
     recipe.write_text(f"# benchmark profile {profile.name} ({profile.character})\n"
                       + yaml.safe_dump(profile.recipe(str(data)), sort_keys=False))

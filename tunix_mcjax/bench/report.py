@@ -16,16 +16,18 @@ from tunix_mcjax.bench import stats
 from tunix_mcjax.bench.equal_work import RunLog, check_equal_work
 
 PHASES = ("admit", "generate", "reward", "pack", "train", "publish")
-DEVICE_PHASES = ("generate", "train")
 # Tunix admits inside generate and packs inside its loop, so gaps compare these groups.
 GAP_GROUPS = {"rollout": ("admit", "generate"), "reward": ("reward",), "train": ("train",),
               "publish": ("publish",), "pack+other": ("pack", "other")}
 HOST_SHARE = (
-    "Host share is the part of a step spent outside the two phases that run the model on the "
-    "devices, generate and train: 1 - (generate + train) / step, median over scored steps. It "
-    "counts admission, reward, packing, weight publication, metrics and loop bookkeeping. "
-    "Generate and train also hold host work (dispatch, decode-loop control), so it is a lower "
-    "bound on host-side work."
+    "Host share is measured in the traced launch (`--trace-steps`): 1 - device busy, where "
+    "device busy is the share of a step's wall time in which XLA's execution threads run a "
+    "program (compute and the collectives inside programs), median over traced steps and "
+    "hosts. The rest is host work: Python, dispatch, admission, reward, packing, the small "
+    "cross-host exchanges (run inline on the Python thread), publication and metrics. "
+    "Dispatches are jitted-program calls from Python, host syncs device values read back into "
+    "Python, per step; train-step collectives are read from the train step's optimized HLO "
+    "(result bytes per device)."
 )
 
 ROLLOUT_IMBALANCE = (
@@ -70,12 +72,6 @@ def gap_by_phase(arm: dict, ref: dict) -> dict[str, float]:
     return gaps
 
 
-def host_share(run: RunLog, first_scored: int) -> float:
-    shares = [1 - sum(r["phase_s"].get(p, 0.0) for p in DEVICE_PHASES) / r["step_s"]
-              for r in run.scored(first_scored)]
-    return float(np.median(shares))
-
-
 def rollout_imbalance(run: RunLog, first_scored: int) -> np.ndarray | None:
     """Per scored step, the slowest host's generate time over the hosts' mean (1 = balanced).
 
@@ -118,7 +114,7 @@ def decode_token_imbalance(host_records: list[dict], first_scored: int) -> float
     return float(np.median([max(t) / np.mean(t) for t in by_step.values()]))
 
 
-def arm_summary(a: ArmRun, first_scored: int) -> dict:
+def arm_summary(a: ArmRun, first_scored: int, fixed_cost: dict | None = None) -> dict:
     scored = a.log.scored(first_scored)
     if not scored:
         raise ValueError(f"{a.log.name}: no steady steps from step {first_scored}")
@@ -133,7 +129,8 @@ def arm_summary(a: ArmRun, first_scored: int) -> dict:
         "phase_median_s": phase_table(a.log, first_scored),
         "mean_step_s": float(np.mean(step_s)),
         "phase_mean_s": phase_table(a.log, first_scored, np.mean),
-        "host_share": host_share(a.log, first_scored),
+        "host_share": None if fixed_cost is None else fixed_cost["host_share"],
+        "fixed_cost": fixed_cost,
         "rollout_imbalance": None if imbalance is None else float(np.median(imbalance)),
         "steady_steps": len(scored),
         "compiled_scored_steps": len(second_pass) - len(scored),
@@ -142,21 +139,36 @@ def arm_summary(a: ArmRun, first_scored: int) -> dict:
     }
 
 
-def ratio(num: RunLog, den: RunLog, first_scored: int, seed: int) -> dict:
-    """T_num / T_den per step and per generated token, with bootstrap intervals."""
-    t_num, t_den = num.column("step_s", first_scored), den.column("step_s", first_scored)
-    per_step = stats.bootstrap_ratio(t_num, t_den, seed=seed)
-    per_tok = stats.bootstrap_ratio(
-        stats.per_token(t_num, num.column("tokens_generated", first_scored)),
-        stats.per_token(t_den, den.column("tokens_generated", first_scored)), seed=seed + 1)
+def _launch_columns(arm: ArmRun, key: str, first_scored: int) -> list[np.ndarray]:
+    return [run.column(key, first_scored) for run in arm.launches]
+
+
+def ratio(num: ArmRun, den: ArmRun, first_scored: int, seed: int) -> dict:
+    """T_num / T_den per step and per generated token, with launch/block bootstrap intervals."""
+    t_num, t_den = (_launch_columns(a, "step_s", first_scored) for a in (num, den))
+    per_step = stats.launch_bootstrap_ratio(t_num, t_den, seed=seed)
+    per_tok = stats.launch_bootstrap_ratio(
+        [stats.per_token(t, n) for t, n in zip(
+            t_num, _launch_columns(num, "tokens_generated", first_scored), strict=True)],
+        [stats.per_token(t, n) for t, n in zip(
+            t_den, _launch_columns(den, "tokens_generated", first_scored), strict=True)],
+        seed=seed + 1)
     out = {**per_step.as_dict(), "per_token": per_tok.as_dict(),
            "faster": stats.is_faster(per_step) and stats.is_faster(per_tok)}
-    if any(r["compiled"] for log in (num, den) for r in log.records if r["step"] >= first_scored):
+    logs = (num.log, den.log)
+    if any(r["compiled"] for log in logs for r in log.records if r["step"] >= first_scored):
         # Compile time charged back: total second-pass time, compile steps included.
         totals = [sum(r["step_s"] for r in log.records if r["step"] >= first_scored)
-                  for log in (num, den)]
+                  for log in logs]
         out["with_compile"] = totals[0] / totals[1]
     return out
+
+
+def _imbalance_ratio(num: ArmRun, den: ArmRun, first_scored: int, seed: int) -> dict | None:
+    sides = [[rollout_imbalance(run, first_scored) for run in a.launches] for a in (num, den)]
+    if any(x is None for side in sides for x in side):
+        return None
+    return stats.launch_bootstrap_ratio(*sides, seed=seed).as_dict()
 
 
 def equal_work(ref: ArmRun, other: ArmRun, first_scored: int) -> dict:
@@ -177,27 +189,30 @@ def moved_phase(base: dict, variant: dict) -> dict:
 
 
 def build_report(runs: list[ArmRun], reference: str, first_scored: int, *, ablation: bool,
-                 context: dict, seed: int = 0) -> dict:
-    """The report for every host count; top-level fields mirror the largest host count."""
+                 context: dict, seed: int = 0,
+                 fixed_cost: dict[tuple[str, int], dict] | None = None) -> dict:
+    """The report for every host count; top-level fields mirror the largest host count.
+    `fixed_cost`: (arm, hosts) -> `bench.trace.summarize` of that arm's traced launch."""
+    fixed_cost = fixed_cost or {}
     by_hosts = {}
     for hosts in sorted({r.hosts for r in runs}):
         at = {r.arm: r for r in runs if r.hosts == hosts}
-        arms = {name: arm_summary(r, first_scored) for name, r in at.items()}
+        arms = {name: arm_summary(r, first_scored, fixed_cost.get((name, hosts)))
+                for name, r in at.items()}
         refs = [reference] if ablation else [a for a in (reference, f"{reference}+opt") if a in at]
         ratios, pairs = {}, {}
         for ref in refs:
             for name, r in at.items():
                 if name == ref:
                     continue
-                num, den = (at[ref].log, r.log) if ablation else (r.log, at[ref].log)
+                num, den = (at[ref], r) if ablation else (r, at[ref])
                 key = f"{ref}_over_{name}" if ablation else f"{name}_over_{ref}"
                 ratios[key] = ratio(num, den, first_scored, seed)
                 if ablation:
                     ratios[key]["moved"] = moved_phase(arms[ref], arms[name])
-                    imbalances = [rollout_imbalance(log, first_scored) for log in (num, den)]
-                    if all(x is not None for x in imbalances):
-                        ratios[key]["imbalance"] = stats.bootstrap_ratio(
-                            *imbalances, seed=seed + 2).as_dict()
+                    imbalance = _imbalance_ratio(num, den, first_scored, seed + 2)
+                    if imbalance is not None:
+                        ratios[key]["imbalance"] = imbalance
                 else:
                     ratios[key]["gap_by_phase_s"] = gap_by_phase(arms[name], arms[ref])
                 if ref == reference:
@@ -212,6 +227,35 @@ def build_report(runs: list[ArmRun], reference: str, first_scored: int, *, ablat
             **top, "by_hosts": by_hosts}
 
 
+def fixed_cost_table(arms: dict[str, dict]) -> list[str]:
+    """Markdown lines: each traced arm's fixed cost per step (none without traces)."""
+    traced = {name: a["fixed_cost"] for name, a in arms.items() if a.get("fixed_cost")}
+    if not traced:
+        return []
+    lines = ["", "Fixed cost per step (traced launch; medians over its traced steps and hosts):",
+             "", "| arm | train-step collectives | collective bytes | dispatches | host syncs | "
+             "device busy | host share | traced step s |", "|---" * 8 + "|"]
+    for name, f in traced.items():
+        c = f["train_step_collectives"]
+        kinds = "-" if c is None else ", ".join(
+            f"{v['count']} {k}" for k, v in c.items() if k != "total") or "0"
+        total = "-" if c is None else f"{c['total']['count']} ({kinds})"
+        size = "-" if c is None else f"{c['total']['bytes'] / 1e6:.3f} MB"
+        lines.append(f"| {name} | {total} | {size} | {f['dispatches']:.0f} | "
+                     f"{f['host_syncs']:.0f} | {f['device_busy']:.0%} | {f['host_share']:.0%} | "
+                     f"{f['wall_s']:.3f} |")
+    phased = {name: f["phases"] for name, f in traced.items() if f.get("phases")}
+    names = list(dict.fromkeys(p for phases in phased.values() for p in phases))
+    if phased:
+        lines += ["", "Traced step by phase function, wall ms (device-busy ms inside):", "",
+                  "| arm | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for name, phases in phased.items():
+            lines.append(f"| {name} | " + " | ".join(
+                f"{phases[p]['wall_s'] * 1e3:.1f} ({phases[p]['device_s'] * 1e3:.1f})"
+                if p in phases else "-" for p in names) + " |")
+    return lines
+
+
 def _fmt_ci(r: dict) -> str:
     return f"{r['median']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
 
@@ -220,7 +264,8 @@ def markdown(report: dict) -> str:
     """The report's tables."""
     lines = [f"# Step-time benchmark: {report['profile']}", "",
              f"Scored: steps {report['first_scored_step']}+ (second pass), compile steps "
-             f"excluded; intervals: 95% percentile bootstrap, {stats.RESAMPLES} resamples.", ""]
+             f"excluded; intervals: 95% percentile bootstrap, {stats.RESAMPLES} resamples of "
+             f"launches and, in each, of {stats.BLOCK_STEPS}-step blocks.", ""]
     for key, at in report["by_hosts"].items():
         lines += [f"## {key} host(s) x {report['devices_per_host']} device(s)", "",
                   "| arm | median step s | s / 1k tokens | host share | rollout max/mean | "
@@ -230,10 +275,12 @@ def markdown(report: dict) -> str:
             ph = a["phase_median_s"]
             cells = [f"{ph[p]:.3f}" if p in ph else "-" for p in (*PHASES, "other")]
             imbalance = a.get("rollout_imbalance")
+            share = "-" if a["host_share"] is None else f"{a['host_share']:.0%}"
             lines.append(f"| {name} | {a['median_step_s']:.3f} | {a['median_s_per_1k_tokens']:.3f}"
-                         f" | {a['host_share']:.0%} | "
+                         f" | {share} | "
                          f"{'-' if imbalance is None else f'{imbalance:.3f}'} | "
                          + " | ".join(cells) + f" | {a['steady_steps']} |")
+        lines += fixed_cost_table(at["arms"])
         verdict = ("step-time change (per-step interval excludes 1) | phase moved most | "
                    "rollout max/mean, base / variant" if report["ablation"] else
                    f"faster (both lower bounds > {stats.FASTER_MARGIN})")

@@ -1,8 +1,12 @@
 """Step-time statistics of the comparison protocol (paper §3.3, Appendix A).
 
 A run's step time is the median over its steady steps. A speedup is a ratio of medians,
-S = T_arm / T_ref, with a 95% percentile bootstrap interval: each arm's steady steps are
-resampled independently (10,000 resamples by default) and the ratio of medians recomputed.
+S = T_arm / T_ref, with a 95% percentile bootstrap interval (10,000 resamples by default): each
+arm is resampled independently and the ratio of medians recomputed. Consecutive steps of one
+launch are not independent (machine load drifts, a launch's compile and placement luck persist),
+so `launch_bootstrap_ratio` resamples launches, and inside each drawn launch blocks of
+`BLOCK_STEPS` consecutive steps (circular blocks); `bootstrap_ratio` is its one-launch,
+one-step-block case.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ import numpy as np
 RESAMPLES = 10_000
 CONFIDENCE = 0.95
 FASTER_MARGIN = 1.111  # "faster" needs the lower bound above this (paper §3.3)
+BLOCK_STEPS = 5  # consecutive steps resampled together
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +43,50 @@ def _values(name: str, x: Sequence[float]) -> np.ndarray:
     return arr
 
 
-def _resampled_medians(x: np.ndarray, resamples: int, rng: np.random.Generator) -> np.ndarray:
-    idx = rng.integers(0, x.size, size=(resamples, x.size))
-    return np.median(x[idx], axis=1)
+def _resampled_medians(launches: list[np.ndarray], block: int, resamples: int,
+                       rng: np.random.Generator) -> np.ndarray:
+    if len(launches) == 1 and block == 1:
+        x = launches[0]
+        idx = rng.integers(0, x.size, size=(resamples, x.size))
+        return np.median(x[idx], axis=1)
+    out = np.empty(resamples)
+    for r in range(resamples):
+        drawn = []
+        for j in rng.integers(0, len(launches), size=len(launches)):
+            x = launches[j]
+            starts = rng.integers(0, x.size, size=-(-x.size // block))
+            drawn.append(x[(starts[:, None] + np.arange(block)) % x.size].ravel()[:x.size])
+        out[r] = np.median(np.concatenate(drawn))
+    return out
+
+
+def launch_bootstrap_ratio(
+    numerator: Sequence[Sequence[float]],
+    denominator: Sequence[Sequence[float]],
+    *,
+    block: int = BLOCK_STEPS,
+    resamples: int = RESAMPLES,
+    confidence: float = CONFIDENCE,
+    seed: int = 0,
+) -> Interval:
+    """median(pooled numerator) / median(pooled denominator); each side is a list of launches
+    (1-D step samples). The interval resamples launches, then `block`-step blocks in each.
+
+    Deterministic for a given seed. Samples of one value give a zero-width interval.
+    """
+    num = [_values(f"numerator launch {i}", x) for i, x in enumerate(numerator)]
+    den = [_values(f"denominator launch {i}", x) for i, x in enumerate(denominator)]
+    if not num or not den:
+        raise ValueError("need at least one launch on each side")
+    if resamples < 1 or not 0 < confidence < 1 or block < 1:
+        raise ValueError("need resamples >= 1, 0 < confidence < 1 and block >= 1")
+    rng = np.random.default_rng(seed)
+    ratios = (_resampled_medians(num, block, resamples, rng)
+              / _resampled_medians(den, block, resamples, rng))
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    point = np.median(np.concatenate(num)) / np.median(np.concatenate(den))
+    return Interval(float(point), float(low), float(high))
 
 
 def bootstrap_ratio(
@@ -51,19 +97,11 @@ def bootstrap_ratio(
     confidence: float = CONFIDENCE,
     seed: int = 0,
 ) -> Interval:
-    """median(numerator) / median(denominator) with a percentile bootstrap interval.
-
-    Deterministic for a given seed. Samples of one value give a zero-width interval.
-    """
-    num = _values("numerator", numerator)
-    den = _values("denominator", denominator)
-    if resamples < 1 or not 0 < confidence < 1:
-        raise ValueError("need resamples >= 1 and 0 < confidence < 1")
-    rng = np.random.default_rng(seed)
-    ratios = _resampled_medians(num, resamples, rng) / _resampled_medians(den, resamples, rng)
-    tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(ratios, [tail, 100 - tail])
-    return Interval(float(np.median(num) / np.median(den)), float(low), float(high))
+    """median(numerator) / median(denominator), steps resampled as if independent (one launch,
+    blocks of one step). Deterministic for a given seed."""
+    return launch_bootstrap_ratio([_values("numerator", numerator)],
+                                  [_values("denominator", denominator)], block=1,
+                                  resamples=resamples, confidence=confidence, seed=seed)
 
 
 def per_token(step_s: Sequence[float], tokens: Sequence[float]) -> np.ndarray:

@@ -21,7 +21,11 @@ the predictor's best case), and a host's rollout time follows its token load. Ad
 
 Protocol: 20 batches twice (40 steps); the second pass is scored, compile steps excluded.
 Runs go one at a time; with --launches N, round robin over the arms N times, and statistics pool
-the launches' steady steps. Each run's log is in <out>/logs/, its steps in <out>/runs/.
+the launches' steady steps (intervals resample launches, then blocks of steps: bench.stats).
+--trace-steps N adds one launch per arm (not timed) whose steps B+1..B+N run under the JAX
+profiler; its per-step fixed cost (train-step collectives, dispatches, host syncs, device-busy
+share: bench.trace) goes to <out>/runs/<arm>-h<H>-trace/fixed_cost.json and the report.
+Each run's log is in <out>/logs/, its steps in <out>/runs/, traces in <out>/traces/.
 Outputs: <out>/report.json, report.md and PNGs (see tunix_mcjax.bench.report for definitions).
 """
 
@@ -31,6 +35,7 @@ import argparse
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -39,7 +44,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tunix_mcjax.bench import profiles, report
+from tunix_mcjax.bench import profiles, report, trace
 from tunix_mcjax.bench.equal_work import RunLog
 
 OPTIMIZATIONS = {
@@ -68,11 +73,12 @@ class Run:
     layout: str = ""  # tunix only
     launch: int = 0
     launches: int = 1
+    traced: bool = False  # the extra launch under the profiler (bench.trace); not timed
 
     @property
     def name(self) -> str:
         layout = f"-{self.layout}" if self.layout else ""
-        launch = f"-l{self.launch}" if self.launches > 1 else ""
+        launch = "-trace" if self.traced else f"-l{self.launch}" if self.launches > 1 else ""
         return f"{self.arm}{layout}-h{self.hosts}{launch}"
 
     def overrides(self) -> dict:
@@ -95,7 +101,8 @@ class Run:
                     str(devices), "--layout", self.layout, str(recipe), *keys]
         hosts, per_host = (1, devices) if self.arm == "single" else (self.hosts,
                                                                       self.devices_per_host)
-        return [sys.executable, "-m", "tunix_mcjax.launch", "--hosts", str(hosts),
+        launcher = "tunix_mcjax.bench.traced_run" if self.traced else "tunix_mcjax.launch"
+        return [sys.executable, "-m", launcher, "--hosts", str(hosts),
                 "--devices-per-host", str(per_host), str(recipe), *keys]
 
 
@@ -136,8 +143,14 @@ def code_version() -> str:
         "status", "--porcelain", "--untracked-files=no", "tunix_mcjax") else "")
 
 
+def trace_window(run: Run, out: Path, first_scored: int, trace_steps: int) -> trace.Window:
+    """A traced launch profiles `trace_steps` steps from the second scored one."""
+    return trace.Window(first_scored + 1, trace_steps,
+                        out / "traces" / run.name.removesuffix("-trace"))
+
+
 def execute(run: Run, recipe: Path, out: Path, extra: list[str], steps: int,
-            timeout_s: float) -> dict:
+            timeout_s: float, window: trace.Window | None = None) -> dict:
     """Runs one launch to completion with per-step progress; returns its metadata."""
     steps_file = out / "runs" / run.name / "steps.jsonl"
     for stale in (steps_file, *steps_file.parent.glob("host_*.jsonl")):
@@ -145,10 +158,14 @@ def execute(run: Run, recipe: Path, out: Path, extra: list[str], steps: int,
     log_path = out / "logs" / f"{run.name}.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     cmd = run.command(recipe, out, extra)
+    env = dict(os.environ)
+    if window is not None:
+        shutil.rmtree(window.out, ignore_errors=True)
+        env[trace.TRACE_ENV] = window.encode()
     load_before, code = os.getloadavg()[0], code_version()
     t0 = time.perf_counter()
     with log_path.open("w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
         seen = 0
         while proc.poll() is None:
@@ -164,6 +181,9 @@ def execute(run: Run, recipe: Path, out: Path, extra: list[str], steps: int,
         raise RuntimeError(f"{run.name} failed (exit {proc.returncode}); {log_path}:\n{tail}")
     meta = {"command": " ".join(cmd[1:]), "code": code, "wall_s": time.perf_counter() - t0,
             "loadavg_1m_before": load_before, "loadavg_1m_after": os.getloadavg()[0]}
+    if window is not None:
+        meta["trace"] = window.encode()
+        trace.prune_hlo_dump(window.out / "hlo")
     (steps_file.parent / "bench_meta.json").write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
@@ -213,6 +233,21 @@ def collect(runs: list[Run], out: Path, first_scored: int) -> tuple[list[report.
     return [b[1] for b in best.values()] + arm_runs, layouts
 
 
+def traced_runs(arms: list[str], hosts: list[int], devices_per_host: int,
+                layouts: dict[str, float]) -> list[Run]:
+    """One traced launch per arm and host count; Tunix in its fastest timed layout."""
+    runs = []
+    for h in hosts:
+        for arm in arms:
+            layout = ""
+            if arm == "tunix":
+                timed = {k.rsplit("-h", 1)[0]: v for k, v in layouts.items()
+                         if k.endswith(f"-h{h}")}
+                layout = min(timed, key=timed.get)
+            runs.append(Run(arm, h, devices_per_host, layout, traced=True))
+    return runs
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -233,6 +268,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--launches", type=int, default=1,
                    help="launches per arm, run round robin; statistics pool their steps")
     p.add_argument("--timeout-s", type=float, default=1200.0, help="per run")
+    p.add_argument("--trace-steps", type=int, default=0, metavar="N",
+                   help="after the timed launches, one more launch per arm with N scored "
+                        "steps under the JAX profiler: collectives, dispatches, host syncs "
+                        "and device-busy share per step (bench.trace)")
     p.add_argument("--report-only", action="store_true",
                    help="rebuild the report from the runs already in --out")
     args = p.parse_args(argv)
@@ -267,6 +306,17 @@ def main(argv: list[str] | None = None) -> None:
             meta = execute(run, recipe, out, args.set, steps, args.timeout_s)
             print(f"  done in {meta['wall_s']:.0f}s", flush=True)
     arm_runs, layouts = collect(runs, out, first_scored)
+    traced = traced_runs(args.arms, args.hosts, args.devices_per_host, layouts) \
+        if args.trace_steps else []
+    if not args.report_only:
+        for run in traced:
+            print(f"[trace] {run.name}: {args.trace_steps} steps under the profiler", flush=True)
+            window = trace_window(run, out, first_scored, args.trace_steps)
+            execute(run, recipe, out, args.set, steps, args.timeout_s, window)
+            (out / "runs" / run.name / "fixed_cost.json").write_text(
+                json.dumps(trace.summarize(window.out), indent=2) + "\n")
+    fixed_cost = {(run.arm, run.hosts): json.loads(
+        (out / "runs" / run.name / "fixed_cost.json").read_text()) for run in traced}
     context = {"profile": profile.name, "character": profile.character,
                "devices_per_host": args.devices_per_host, "overrides": args.set,
                "steps": steps, "batches": profiles.BATCHES, "launches": args.launches}
@@ -275,7 +325,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.balance:
         context.update(_balance_context(runs, out, first_scored, max(args.hosts)))
     rep = report.build_report(arm_runs, "mcjax", first_scored,
-                              ablation=args.ablation or args.balance, context=context)
+                              ablation=args.ablation or args.balance, context=context,
+                              fixed_cost=fixed_cost)
     for path in report.write(rep, out):
         print(f"wrote {path}")
     print(report.markdown(rep))

@@ -56,9 +56,7 @@ def measure(layers: int, rows: int, row_len: int, extra: list[str]) -> dict:
     local["segment_ids"][:] = 1
     batch = trainer.global_batch(local)
     start = time.perf_counter()
-    with jax.set_mesh(mesh):
-        compiled = trainer._step.lower(trainer.params, trainer.opt_state, trainer.ref_params,
-                                       batch, off_policy=False).compile()
+    compiled = trainer.lower(batch).compile()
     mem = compiled.memory_analysis()
     n, per = trainer.micro_batch_layout(rows * len(devices))
     return {"devices": len(devices), "gather_params_once": trainer.gather_params_once,

@@ -28,13 +28,16 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from tunix_mcjax.bench import trace
+
 LAYOUTS = ("fsdp", "one-device")
 
 
 class StepClock:
-    """Step boundaries, phase times and compile events of the Tunix loop; writes steps.jsonl."""
+    """Step boundaries, phase times and compile events of the Tunix loop; writes steps.jsonl.
+    With a trace window (`bench.trace`), the window's steps run under the JAX profiler."""
 
-    def __init__(self, out: Path):
+    def __init__(self, out: Path, window: trace.Window | None = None):
         out.parent.mkdir(parents=True, exist_ok=True)
         self._file = out.open("w")
         self.step = -1
@@ -42,6 +45,8 @@ class StepClock:
         self._phases: dict[str, float] = {}
         self._compiles = 0
         self.info: dict = {}
+        self._window = window
+        self._annotation = None
 
     def on_compile(self, event: str, _duration: float, **_) -> None:
         if event == "/jax/core/compile/backend_compile_duration":
@@ -70,7 +75,27 @@ class StepClock:
             print(f"tunix step {self.step:3d} | {record['step_s']:.3f}s | "
                   + " ".join(f"{p}={t:.3f}" for p, t in record["phase_s"].items()), flush=True)
         self.step += 1
+        self._trace_boundary()
         self._start, self._phases, self._compiles, self.info = now, {}, 0, {}
+
+    def _trace_boundary(self) -> None:
+        """Closes the last step's annotation; opens this step's, or stops the profiler after
+        the window's last step."""
+        w = self._window
+        if w is None:
+            return
+        import jax
+
+        if self._annotation is not None:
+            self._annotation.__exit__(None, None, None)
+            self._annotation = None
+        if self.step == w.first:
+            jax.profiler.start_trace(str(w.out / "host_0"))
+        if w.first <= self.step < w.first + w.steps:
+            self._annotation = jax.profiler.TraceAnnotation(f"{trace.STEP_EVENT}{self.step}")
+            self._annotation.__enter__()
+        elif self.step == w.first + w.steps:
+            jax.profiler.stop_trace()
 
     def close(self) -> None:
         self._file.close()
@@ -142,7 +167,7 @@ def run(cfg, layout: str) -> Path:
     )
 
     out = cfg.run_dir / "steps.jsonl"
-    clock = StepClock(out)
+    clock = StepClock(out, trace.Window.from_env())
     jax.monitoring.register_event_duration_secs_listener(clock.on_compile)
     pad_id = tokenizer.pad_token_id
 
@@ -210,6 +235,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
     flag = f"--xla_force_host_platform_device_count={args.devices}"
+    window = trace.Window.from_env()
+    if window is not None:
+        flag += " " + window.xla_flags(0)
     os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
 
     import jax

@@ -237,7 +237,7 @@ class JaxEngine(Engine):
             s.device: s.data for s in leaf.addressable_shards if s.data.shape == leaf.shape
         }
         mesh_devices = list(mesh.devices.flat)
-        if spec.partition == P() and all(d in full_copies for d in mesh_devices):
+        if sharding.is_fully_replicated and all(d in full_copies for d in mesh_devices):
             return jax.make_array_from_single_device_arrays(
                 spec.shape, sharding, [full_copies[d].astype(spec.dtype) for d in mesh_devices]
             )

@@ -102,7 +102,7 @@ class ColocatedRuntime:
         self.nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps)
         self.start_step = self._maybe_restore()
         with self.watchdog.guard("publish", compiles=True):
-            self.publisher.publish(self.trainer.engine_params(), self.engine)
+            self._publish()
 
         self.run_dir = cfg.run_dir
         # Records of steps a resume re-runs are dropped: every step appears once.
@@ -118,6 +118,7 @@ class ColocatedRuntime:
         # The summary covers the whole run, resumed segments included.
         self.step_records: list[dict] = list(self.step_log.kept) if self.step_log else []
         self._pending: tuple[int, dict] | None = None  # last step's host record, not yet global
+        self._gathered: np.ndarray | None = None  # base path: its every-host metrics, not emitted
         self._step_start: dict[int, float] = {}
         self._seen_k: set[int] = set()  # rows per device the train step has compiled for
         self._compiles = self._compile_count()
@@ -190,6 +191,8 @@ class ColocatedRuntime:
     def step(self, step: int) -> None:
         cfg, timer = self.cfg, metrics.PhaseTimer()
         self._step_start[step] = time.perf_counter()
+        if self._gathered is not None:
+            self._emit_global(self._take_gathered())
         with timer.phase("admit"):
             global_idx, local_idx = self.admit(step)
         with timer.phase("generate"):
@@ -210,7 +213,7 @@ class ColocatedRuntime:
         # A step the trainer did not apply (non-finite) changed nothing: nothing to publish.
         if self.nonfinite.applied(step, train_metrics, self.state.describe_last()):
             with timer.phase("publish"), self.watchdog.guard("publish", compiles=compiles):
-                self.publisher.publish(self.trainer.engine_params(), self.engine)
+                self._publish()
         train_metrics = {**train_metrics, "nonfinite_steps": self.nonfinite.count}
         lens = np.array([len(c.tokens) for c in completions])
         lens_by_prompt = lens.reshape(len(local_idx), -1).mean(1)
@@ -222,7 +225,11 @@ class ColocatedRuntime:
         self.exporter.export({"kind": "host", **record})
         self._pending = (step, record)
         if not cfg.rl_async_metrics_export:
-            self._flush_metrics()
+            self._gather_metrics()
+
+    def _publish(self) -> None:
+        self.publisher.publish(self.trainer.engine_params(), self.engine,
+                               gathered=self.trainer.engine_params_gathered)
 
     def _evaluate_after(self, step: int) -> dict:
         """The evaluations due after `step`, kept out of its wall period and compile count."""
@@ -270,11 +277,22 @@ class ColocatedRuntime:
             return np.zeros(len(metrics.HOST_FIELDS))
         return metrics.host_vector(self._pending[1])
 
-    def _flush_metrics(self) -> None:
-        """Base path: a host barrier (all-gather) for the step's metrics, then export inline."""
+    def _gather_metrics(self) -> None:
+        """Base path: the step ends with a host barrier (all-gather) for its metrics; host 0
+        exports them inline at the start of the next step, so the export (JSONL, progress
+        line) is inside a step period, as in Tunix's loop."""
         with self.watchdog.guard("metrics"):
-            per_host = topology.allgather(self._pending_payload())
-        self._emit_global(per_host)
+            self._gathered = topology.allgather(self._pending_payload())
+
+    def _take_gathered(self) -> np.ndarray:
+        per_host, self._gathered = self._gathered, None
+        return per_host
+
+    def _flush_metrics(self) -> None:
+        """The pending step's record out now (end of run, preemption)."""
+        if self._gathered is None:
+            self._gather_metrics()
+        self._emit_global(self._take_gathered())
 
     def _emit_global(self, per_host: np.ndarray) -> None:
         step, record = self._pending
