@@ -22,34 +22,12 @@ from tunix.rl import reshard
 from tunix.rl import rl_cluster as rlc
 from tunix.rl.rollout import base_rollout
 
+from tests.tunix_checks.tiny import VOCAB, IdTokenizer, tiny_config
 from tunix_mcjax import topology
 
-VOCAB, PAD_ID, EOS_ID, NEW_TOKENS = 64, 0, 1, 8
-CONFIG = qwen3.ModelConfig(
-    num_layers=1, vocab_size=VOCAB, embed_dim=32, hidden_dim=64, num_heads=2, head_dim=16,
-    num_kv_heads=1, rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=True,
-    shd_config=qwen3.ShardingConfig.get_default_sharding(),
-)  # fmt: skip
+NEW_TOKENS = 8
+CONFIG = tiny_config()
 AXES = ("fsdp", "tp")
-
-
-class IdTokenizer:
-    """Space-separated token ids; bos_id() is 0, so Tunix adds no BOS."""
-
-    def encode(self, text: str, **_) -> list[int]:
-        return [int(t) for t in text.split()]
-
-    def decode(self, ids, **_) -> str:
-        return " ".join(str(i) for i in ids)
-
-    def bos_id(self) -> int:
-        return 0
-
-    def eos_id(self) -> int:
-        return EOS_ID
-
-    def pad_id(self) -> int:
-        return PAD_ID
 
 
 topo = topology.initialize_from_env()

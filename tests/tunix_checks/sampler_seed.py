@@ -12,31 +12,10 @@ from flax import nnx
 from tunix.generate import sampler as sampler_lib
 from tunix.models.qwen3 import model as qwen3
 
-VOCAB, PAD_ID, EOS_ID, NEW_TOKENS = 64, 0, 1, 16
-CONFIG = qwen3.ModelConfig(
-    num_layers=1, vocab_size=VOCAB, embed_dim=32, hidden_dim=64, num_heads=2, head_dim=16,
-    num_kv_heads=1, rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=True,
-    shd_config=qwen3.ShardingConfig.get_default_sharding(is_sampling=True),
-)  # fmt: skip
+from tests.tunix_checks.tiny import VOCAB, IdTokenizer, tiny_config
 
-
-class IdTokenizer:
-    """Space-separated token ids; bos_id() is 0, so Tunix adds no BOS."""
-
-    def encode(self, text: str, **_) -> list[int]:
-        return [int(t) for t in text.split()]
-
-    def decode(self, ids, **_) -> str:
-        return " ".join(str(i) for i in ids)
-
-    def bos_id(self) -> int:
-        return 0
-
-    def eos_id(self) -> int:
-        return EOS_ID
-
-    def pad_id(self) -> int:
-        return PAD_ID
+NEW_TOKENS = 16
+CONFIG = tiny_config(is_sampling=True)
 
 
 model = qwen3.Qwen3(CONFIG, rngs=nnx.Rngs(0))
