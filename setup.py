@@ -13,6 +13,8 @@ CORE = [
     "tokenizers==0.22.2",
     "transformers==5.12.1",
     "safetensors==0.7.0",
+    "etils[epath]==1.15.0",  # run paths (gs:// too), as MaxText and Orbax use them
+    "tensorboardX==2.6.5",  # enable_tensorboard's scalars, as MaxText writes them
 ]
 
 EXTRAS = {
