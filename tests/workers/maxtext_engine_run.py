@@ -25,7 +25,7 @@ def body(argv: list[str], topo: topology.Topology) -> None:
     cfg = config_map.to_config(config, topo.num_hosts,
                                data.resolve_tokenizer_path(config.tokenizer_path))
     ColocatedRuntime(cfg, topo, components=lambda: build_components(
-        config, data.load_tokenizer(config))).run()
+        config, data.load_tokenizer(config), topo)).run()
     write_facts(cfg, topo, {})
 
 

@@ -370,11 +370,12 @@ def _dtype(value: Any) -> str:
 
 
 def to_config(config: Any, num_hosts: int, tokenizer_path: str,
-              changed: dict[str, Any] | None = None, rollout_engine: str = "jax") -> Config:
+              changed: dict[str, Any] | None = None, rollout_engine: str | None = None) -> Config:
     """Our Config from MaxText's (already checked with `check_keys` and `check_model`).
     `changed`: the keys set away from MaxText's defaults; a vLLM key with an equivalent here
     (`VLLM_KEYS`) sets it only when changed. Under rollout_engine=vllm the engine takes
-    MaxText's vLLM settings as they are (`VLLM_ENGINE_KEYS`)."""
+    MaxText's vLLM settings as they are (`VLLM_ENGINE_KEYS`). `rollout_engine` None: the
+    model's engine (`rollout_engine_for`)."""
     rl = config.rl
     values = {
         "rl_runtime": "mcjax",
@@ -440,7 +441,7 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str,
     }
     values.update({target: changed[key] for key, target in VLLM_KEYS.items()
                    if target is not None and key in (changed or {})})
-    values["rollout_engine"] = rollout_engine
+    values["rollout_engine"] = rollout_engine = rollout_engine or rollout_engine_for(config)
     if rollout_engine == "vllm":
         values.update(vllm_values(config))
     return load_config(None, values)
