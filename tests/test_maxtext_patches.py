@@ -39,7 +39,7 @@ def _touched_files() -> list[str]:
     return [f for p in SERIES for f in patches.patched_files(p)] + [MAXTEXT.version_file]
 
 
-def _record_hash(path: Path) -> str:
+def record_hash(path: Path) -> str:
     """The file's hash as a wheel RECORD writes it."""
     digest = hashlib.sha256(path.read_bytes()).digest()
     return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
@@ -67,7 +67,7 @@ def pristine_root(installed_root: Path, tmp_path_factory: pytest.TempPathFactory
     record = {str(f): f.hash.value for f in importlib.metadata.distribution("maxtext").files
               if f.hash}
     for rel in _touched_files():
-        assert record[rel] == _record_hash(root / rel), (
+        assert record[rel] == record_hash(root / rel), (
             f"installed {rel} differs from the maxtext {MAXTEXT.version} wheel even with the "
             "series reverse-applied; fix: pip install --force-reinstall --no-deps "
             "maxtext==0.2.5 && python -m tunix_mcjax.patches apply maxtext"

@@ -10,8 +10,6 @@ jax.distributed jobs on 127.0.0.1 (gloo), 2 processes x 2 CPU devices, each with
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import importlib.metadata
 import json
 import os
@@ -22,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.test_maxtext_patches import record_hash
 from tunix_mcjax import launch, patches
 
 TUNIX = patches.TARGETS["tunix"]
@@ -45,10 +44,6 @@ def _touched_files() -> list[str]:
     return [f for p in SERIES for f in patches.patched_files(p)]
 
 
-def _record_hash(path: Path) -> str:
-    digest = hashlib.sha256(path.read_bytes()).digest()
-    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
-
 
 @pytest.fixture(scope="module")
 def installed_root() -> Path:
@@ -70,7 +65,7 @@ def pristine_root(installed_root: Path, tmp_path_factory: pytest.TempPathFactory
     record = {str(f): f.hash.value for f in importlib.metadata.distribution("google-tunix").files
               if f.hash}
     for rel in _touched_files():
-        assert record[rel] == _record_hash(root / rel), (
+        assert record[rel] == record_hash(root / rel), (
             f"installed {rel} differs from the google-tunix {TUNIX.version} wheel even with the "
             "series reverse-applied; fix: pip install --force-reinstall --no-deps "
             f"google-tunix=={TUNIX.version}"
