@@ -15,6 +15,7 @@ CORE = [
     "safetensors==0.7.0",
     "etils[epath]==1.15.0",  # run paths (gs:// too), as MaxText and Orbax use them
     "tensorboardX==2.6.5",  # enable_tensorboard's scalars, as MaxText writes them
+    "ray==2.60.0",  # rl_runtime=mcjax_da: trainer and rollout actors on a Ray cluster
 ]
 
 EXTRAS = {
@@ -25,7 +26,6 @@ EXTRAS = {
         "matplotlib==3.11.2",
         "psutil==7.2.2",
     ],
-    "ray": ["ray==2.60.0"],
     # MaxText's RL path on CPU, without vllm/tpu-inference/torch; make setup patches it.
     "maxtext": [
         "maxtext==0.2.5",
