@@ -261,4 +261,4 @@ class TrainPhase:
 
 def publish(publisher: Publisher, trainer: Trainer, engine: Engine) -> None:
     """Phase 6: the trainer's weights into this host's engine replicas."""
-    publisher.publish(trainer.engine_params(), engine, gathered=trainer.engine_params_gathered)
+    publisher.publish_trainer(trainer, engine)
