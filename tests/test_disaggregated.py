@@ -113,7 +113,9 @@ def test_dead_rollout_restarted_once_then_ends_the_run_within_60s(tmp_path):
 @pytest.mark.parametrize(("overrides", "hosts", "message"), [
     (["rl_trainer_hosts_fraction=0.3"], 2, "not one of the paper's splits"),
     (["rl_trainer_hosts_fraction=0.25"], 2, "0.5 trainer hosts"),
-    (["rl_trainer_hosts_fraction=0.25", "batch_size=4"], 4, "does not divide by the 3 rollout"),
+    (["rl_trainer_hosts_fraction=0.125", "batch_size=4"], 8, "without a prompt"),
+    (["rl_trainer_hosts_fraction=0.25", "rl_balance_prompts_by_length=true"], 4,
+     "does not divide by the 3 rollout"),
     (["enable_checkpointing=true"], 2, "cannot honour enable_checkpointing"),
 ])
 def test_bad_splits_and_unsupported_keys_are_refused(tmp_path, overrides, hosts, message):

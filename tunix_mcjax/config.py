@@ -219,12 +219,17 @@ class Config:
                 f"rollout host. Use --hosts {round(1 / self.rl_trainer_hosts_fraction)} or a "
                 "multiple of it.")
         rollouts = num_hosts - int(trainers)
-        if self.batch_size % rollouts:
+        if self.batch_size < rollouts:
             raise ConfigError(
-                f"batch_size={self.batch_size} prompts per step does not divide by the "
-                f"{rollouts} rollout hosts ({num_hosts} hosts, rl_trainer_hosts_fraction="
-                f"{self.rl_trainer_hosts_fraction}): every rollout host needs whole GRPO "
-                f"groups. Use a multiple of {rollouts}, or another split.")
+                f"batch_size={self.batch_size} prompts per step leaves some of the {rollouts} "
+                f"rollout hosts without a prompt ({num_hosts} hosts, rl_trainer_hosts_fraction="
+                f"{self.rl_trainer_hosts_fraction}). Raise batch_size, or use fewer hosts.")
+        if self.rl_balance_prompts_by_length and self.batch_size % rollouts:
+            raise ConfigError(
+                f"rl_balance_prompts_by_length=true gives every host the same number of prompts, "
+                f"but batch_size={self.batch_size} does not divide by the {rollouts} rollout "
+                f"hosts. Use a multiple of {rollouts}, or turn O3 off (shares then differ by "
+                "at most one prompt).")
         return int(trainers), rollouts
 
     def validate_topology(self, num_hosts: int, local_devices: int) -> None:

@@ -91,10 +91,7 @@ class RolloutWorker:
         with timer.phase("admit"):
             global_idx = admission.global_prompt_indices(
                 len(self.prompt_tokens), cfg.batch_size, cfg.seed, step, cfg.data_repeat_period)
-            positions = admission.host_prompt_positions(
-                self.num_rollouts, self.index, self.prompt_lengths[global_idx],
-                cfg.rl_balance_prompts_by_length, None, g)
-            local_idx = global_idx[positions]
+            local_idx = global_idx[self._positions(self.prompt_lengths[global_idx])]
             expanded = [int(i) for i in local_idx for _ in range(g)]
         with timer.phase("generate"):
             completions = self.engine.generate(
@@ -120,6 +117,15 @@ class RolloutWorker:
             "global_prompt_indices": global_idx.tolist(),
         }
         return batch, record
+
+    def _positions(self, lengths: np.ndarray) -> np.ndarray:
+        """This host's positions in the global batch: O3's or the contiguous split, which here
+        may leave hosts one prompt apart (splits such as 3 rollout hosts of 4)."""
+        if len(lengths) % self.num_rollouts == 0:
+            return admission.host_prompt_positions(
+                self.num_rollouts, self.index, lengths, self.cfg.rl_balance_prompts_by_length,
+                None, self.cfg.num_generations)
+        return np.array_split(np.arange(len(lengths)), self.num_rollouts)[self.index]
 
     def _score(self, expanded: list[int], completions: list[Completion]):
         # A completion that stopped ends with its stop token; only that one is dropped.
