@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from tests.mp import REPO
-from tunix_mcjax.config import ConfigError, load_config
+from tunix_mcjax.config import ConfigError, algorithm_fingerprint, load_config
 
 DEMO = REPO / "recipes/cpu/demo.yml"
 
@@ -70,10 +70,11 @@ def test_over_long_prompt_is_rejected_without_filtering():
         tokenize_prompts(tok, ["1=", "123="], 4)
 
 
-def test_gspo_token_loads_and_is_refused_off_policy():
-    from tunix_mcjax.trainer import Trainer
-
-    cfg = load_config(DEMO, ["loss_algo=gspo-token"])
-    assert cfg.loss_algo == "gspo-token"
-    with pytest.raises(ValueError, match="only implemented on-policy"):
-        Trainer(cfg, None, None, None, off_policy=True)
+def test_gspo_token_and_num_iterations_load():
+    """Both run off-policy now (tests/test_phases.py); mu counts updates, so warm-up does too."""
+    cfg = load_config(DEMO, ["loss_algo=gspo-token", "num_iterations=2"])
+    assert (cfg.loss_algo, cfg.num_iterations) == ("gspo-token", 2)
+    warm = cfg.replace(warmup_steps_fraction=0.1, steps=100)
+    assert algorithm_fingerprint(warm)["warmup_steps"] == 20
+    with pytest.raises(ConfigError, match="num_iterations must be a finite number > 0"):
+        load_config(DEMO, ["num_iterations=0"])

@@ -187,6 +187,15 @@ def test_honoured_keys_land_in_config(tmp_path):
     assert cfg.tokenizer_path.endswith("assets/tokenizers/qwen3-tokenizer")
 
 
+def test_num_iterations_is_updates_per_batch():
+    """MaxText's train_steps counts optimizer updates (num_iterations per batch): the run has
+    as many steps (batches) as with one iteration, each trained num_iterations times."""
+    _, one, _ = checked_config(maxtext_argv("num_batches=6"), {}, 1)
+    _, three, _ = checked_config(maxtext_argv("num_batches=6", "rl.num_iterations=3"), {}, 1)
+    assert (one.num_iterations, three.num_iterations) == (1, 3)
+    assert three.steps == one.steps > 0
+
+
 def test_pathways_and_vllm_settings_are_reported_not_applied():
     _, _, not_applied = checked_config(maxtext_argv(
         "hbm_utilization_vllm=0.5", "use_pathways=false", "trainer_devices_fraction=1.0"), {}, 1)
@@ -196,11 +205,11 @@ def test_pathways_and_vllm_settings_are_reported_not_applied():
 
 def test_unsupported_settings_are_refused_by_name(monkeypatch):
     with pytest.raises(ConfigError) as err:
-        checked_config(maxtext_argv("max_seq_token_per_tpu=4096", "rl.num_iterations=2",
+        checked_config(maxtext_argv("max_seq_token_per_tpu=4096", "dropout_rate=0.1",
                                     "quantization=int8", "max_target_length=2048"), {}, 1)
     msg = str(err.value)
-    for key in ("max_seq_token_per_tpu=4096", "rl.num_iterations=2",
-                "quantization='int8'", "token-budget micro-batching", "GRPO mu"):
+    for key in ("max_seq_token_per_tpu=4096", "dropout_rate=0.1",
+                "quantization='int8'", "token-budget micro-batching", "without dropout"):
         assert key in msg
     assert "max_target_length" not in msg  # honoured, so not named
     # Also through MaxText's `M_<KEY>` environment overrides.

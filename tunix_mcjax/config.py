@@ -137,6 +137,13 @@ class Config:
     loss_agg_mode: str = "sequence-mean-token-mean"
     advantage_estimator: str = "grpo"
 
+    # --- Shared phases: updates per batch (runtime/phases.py TrainPhase) ---
+    # MaxText's rl.num_iterations (GRPO's mu, Tunix's num_iterations): optimizer updates on each
+    # step's batch; after the first, off-policy (Tunix's clipped ratio against the engine's
+    # logprobs of the sampled tokens). Warm-up counts updates (steps x num_iterations).
+    num_iterations: int = 1
+    # --- end shared phases ---
+
     # Runtime and the paper's optimizations O1-O4 (Appendix B).
     rl_runtime: str = "mcjax"
     rl_async_metrics_export: bool = False
@@ -278,8 +285,14 @@ def algorithm_fingerprint(cfg: Config) -> dict[str, Any]:
     change on resume, but not the warm-up length it implies."""
     keys = {k: (list(v) if isinstance(v, tuple) else v)
             for k, v in dataclasses.asdict(cfg).items() if k not in RUNTIME_ONLY_KEYS}
-    keys["warmup_steps"] = int(cfg.warmup_steps_fraction * cfg.steps)
+    keys["warmup_steps"] = warmup_updates(cfg)
     return keys
+
+
+def warmup_updates(cfg: Config) -> int:
+    """Optimizer updates of the learning-rate warm-up: a fraction of all updates (steps x
+    num_iterations), as MaxText's RL optimizer counts them."""
+    return int(cfg.warmup_steps_fraction * cfg.steps * cfg.num_iterations)
 
 
 def fingerprint_mismatch(saved: dict[str, Any], cfg: Config) -> list[str]:
@@ -477,7 +490,7 @@ def _validate(cfg: Config) -> None:
                 "max_num_checkpoints_to_keep", "rollout_max_batch_size", "log_period",
                 "learning_rate", "collective_timeout_s", "compile_timeout_s", "adam_eps",
                 "base_num_decoder_layers", "base_emb_dim", "base_mlp_dim",
-                "base_num_query_heads", "base_num_kv_heads", "head_dim")
+                "base_num_query_heads", "base_num_kv_heads", "head_dim", "num_iterations")
     for key in positive:
         value = getattr(cfg, key)
         if not value > 0 or value == float("inf"):  # also refuses nan and inf

@@ -1,10 +1,11 @@
 """The pure GRPO step math on packed rows: token logprobs, per-token terms, global weights.
 
 `grpo_token_terms` equals Tunix's `grpo_loss_fn` (tunix.rl.algo_core) for `kl_loss_mode="kl"`,
-no dual clip, one iteration per batch (old logps = stop_gradient(current)). On-policy, Tunix's
-`loss_algo="gspo-token"` is the same update as "grpo": each token's ratio is
-exp(logp - sg(logp) + sg(sequence mean of log-ratios = 0)), GRPO's exactly, in value and
-gradient. Off-policy they differ, so that combination is refused (trainer.py).
+no dual clip, `loss_algo` "grpo" or "gspo-token", on-policy (old logps = stop_gradient(current))
+or off-policy (old logps = the packed behaviour logprobs). gspo-token's ratio is sequence-level:
+exp(min(logp - sg(logp) + sg(the sequence's mean log-ratio), 10)); on-policy that mean is 0 and
+the update is GRPO's, in value and gradient. Sequences are packed segments here, so the mean is
+over each segment's completion tokens (`segment_mean`).
 Tunix's aggregation modes are linear in per-token terms, so they become fixed per-token weights
 computed on the host from global counts (`loss_weights`), which makes the loss exact across hosts,
 packed rows and micro-batches.
@@ -58,11 +59,37 @@ def chunked_token_logps(hidden: jax.Array, targets: jax.Array,
     return jnp.moveaxis(out, 0, 1).reshape(b, num_chunks * width)[:, :t]
 
 
-def grpo_token_terms(logps: jax.Array, batch: dict, ref_logps: jax.Array | None, *,
-                     beta: float, epsilon: float, off_policy: bool) -> jax.Array:
-    """Per-token GRPO loss (clipped surrogate + beta * KL). Masking and weights come later."""
+def segment_mean(x: jax.Array, mask: jax.Array, segment_ids: jax.Array) -> jax.Array:
+    """At each position of rows [B, T], the mean of `x` over the masked positions of its own
+    segment (packed sequence); 0 for a segment with none."""
+    num_segments = segment_ids.shape[-1] + 1  # segment ids are 0 (padding) .. T
+
+    def row(x, mask, seg):
+        total = jax.ops.segment_sum(x * mask, seg, num_segments=num_segments)
+        count = jax.ops.segment_sum(mask, seg, num_segments=num_segments)
+        return (total / jnp.maximum(count, 1.0))[seg]
+
+    return jax.vmap(row)(x, mask, segment_ids)
+
+
+def importance_log_ratio(logps: jax.Array, batch: dict, *, off_policy: bool,
+                         loss_algo: str = "grpo") -> jax.Array:
+    """Per-token log importance ratio, built as Tunix's grpo_loss_fn builds it."""
     old = batch["old_logps"] if off_policy else jax.lax.stop_gradient(logps)
-    ratio = jnp.exp(jnp.clip(logps - old, -20.0, 20.0))
+    log_ratio = jnp.clip(logps - old, -20.0, 20.0)
+    if loss_algo == "gspo-token":
+        seq = segment_mean(log_ratio, batch["loss_mask"], batch["segment_ids"])
+        log_ratio = jnp.minimum(logps - jax.lax.stop_gradient(logps)
+                                + jax.lax.stop_gradient(seq), 10.0)
+    return log_ratio
+
+
+def grpo_token_terms(logps: jax.Array, batch: dict, ref_logps: jax.Array | None, *,
+                     beta: float, epsilon: float, off_policy: bool,
+                     loss_algo: str = "grpo") -> jax.Array:
+    """Per-token GRPO loss (clipped surrogate + beta * KL). Masking and weights come later."""
+    ratio = jnp.exp(importance_log_ratio(logps, batch, off_policy=off_policy,
+                                         loss_algo=loss_algo))
     adv = batch["advantages"]
     per_token = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - epsilon, 1 + epsilon))
     if ref_logps is not None and beta != 0.0:

@@ -28,7 +28,7 @@ import optax
 from flax import nnx
 
 from tunix_mcjax import fsdp_flat, memory, packed_qwen3
-from tunix_mcjax.config import Config
+from tunix_mcjax.config import Config, warmup_updates
 from tunix_mcjax.loss import (
     chunked_token_logps,
     grpo_token_terms,
@@ -103,7 +103,7 @@ def qwen3_policy(model: nnx.Module) -> tuple[Policy, nnx.State]:
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     """MaxText's RL optimizer: global-norm clipping, AdamW, linear warm-up then constant."""
-    warmup = int(cfg.warmup_steps_fraction * cfg.steps)
+    warmup = warmup_updates(cfg)
     lr = optax.join_schedules(
         [optax.linear_schedule(0.0, cfg.learning_rate, warmup), optax.constant_schedule(
             cfg.learning_rate)], [warmup]) if warmup else cfg.learning_rate
@@ -128,9 +128,6 @@ class Trainer:
 
     def __init__(self, cfg: Config, policy: Policy, params: nnx.State, mesh: jax.sharding.Mesh,
                  *, off_policy: bool = False, tx: optax.GradientTransformation | None = None):
-        if off_policy and cfg.loss_algo != "grpo":
-            raise ValueError(f"loss_algo={cfg.loss_algo} is only implemented on-policy (old logps "
-                             "= stop_gradient(current)), where it equals grpo")
         if policy.hidden is None and (cfg.train_logits_chunk_tokens
                                       or cfg.remat_policy != "none"):
             raise ValueError(
@@ -226,7 +223,8 @@ class Trainer:
         if ref_params is not None:
             ref_logps = jax.lax.stop_gradient(self._logps(ref_params, batch, row_shards))
         per_token = grpo_token_terms(logps, batch, ref_logps, beta=self.cfg.grpo_beta,
-                                     epsilon=self.cfg.grpo_epsilon, off_policy=off_policy)
+                                     epsilon=self.cfg.grpo_epsilon, off_policy=off_policy,
+                                     loss_algo=self.cfg.loss_algo)
         sums = step_sums(logps, ref_logps, per_token, batch)
         return sums["loss"], sums
 
@@ -335,19 +333,20 @@ class Trainer:
                                          self._ref_full_params(), batch,
                                          off_policy=self.off_policy)
 
-    def step(self, local: dict[str, np.ndarray]) -> dict[str, float]:
-        """One update; `loss`, `grad_norm`, `kl` (token mean), `kl_loss`, `finite` (0: skipped)."""
+    def step(self, local: dict[str, np.ndarray], off_policy: bool | None = None
+             ) -> dict[str, float]:
+        """One update; `loss`, `grad_norm`, `kl` (token mean), `kl_loss`, `finite` (0: skipped).
+        `off_policy`: the ratio against `old_logps` (None: as the trainer was built)."""
+        off_policy = self.off_policy if off_policy is None else off_policy
         batch = self.global_batch(local)
         with jax.set_mesh(self.mesh):
             if self.flat is None:
                 self.params, self.opt_state, metrics = self._step(
-                    self.params, self.opt_state, self.ref_params, batch,
-                    off_policy=self.off_policy)
+                    self.params, self.opt_state, self.ref_params, batch, off_policy=off_policy)
             else:
                 full, ref_full = self.full_params(), self._ref_full_params()
                 self._params, self.opt_state, self._full, metrics = self._flat_step(
-                    self._params, self.opt_state, full, ref_full, batch,
-                    off_policy=self.off_policy)
+                    self._params, self.opt_state, full, ref_full, batch, off_policy=off_policy)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     @property

@@ -40,8 +40,8 @@ STEP_EVENT = "bench_step_"
 TRAIN_MODULES = r".*(_update|train_step).*"
 DEVICE_THREADS = "tf_XLA"
 # Our runtime's phase functions (Python tracer events), for where a step's host time goes.
-PHASE_EVENT = re.compile(r"\$(?:colocated\.py:\d+ (admit|generate|score|pack|_publish|"
-                         r"_gather_metrics)|trainer\.py:\d+ (step))$")
+PHASE_EVENT = re.compile(r"\$(?:phases\.py:\d+ (admit|generate|score|pack|publish)|"
+                         r"trainer\.py:\d+ (step))$")
 DISPATCH = "PjitFunction("
 SYNC = "np.asarray(jax.Array)"
 WAIT = " block_until_ready"

@@ -59,6 +59,7 @@ HONOURED: dict[str, str] = {
     "rl.grpo_epsilon": "grpo_epsilon",
     "rl.loss_algo": "loss_algo (grpo, gspo-token)",
     "rl.loss_agg_mode": "loss_agg_mode",
+    "rl.num_iterations": "num_iterations (updates per batch; train_steps counts updates)",
     # Data: MaxText's pipeline (train_rl.prepare_datasets) and prompt template.
     "dataset_name": "MaxText's data pipeline",
     "hf_train_files": "MaxText's data pipeline",
@@ -241,7 +242,6 @@ def vllm_values(config: Any) -> dict[str, Any]:
 
 # Keys users are likely to set that this runtime cannot honour yet: why, and what to do.
 REFUSED: dict[str, str] = {
-    "rl.num_iterations": "GRPO mu > 1 (several updates per batch) is not implemented; use 1",
     "rl.use_agentic_rollout": "agentic (multi-turn) rollouts are not implemented",
     "rl.epsilon_high": "asymmetric clipping is only in Tunix's agentic learner",
     "rl.off_policy_steps": "off-policy steps are only in Tunix's agentic learner",
@@ -387,7 +387,9 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str,
         "run_name": config.run_name,
         "base_output_directory": config.base_output_directory,
         "seed": config.data_shuffle_seed,
-        "steps": int(config.train_steps),
+        # MaxText's train_steps counts updates: num_iterations per batch.
+        "steps": int(config.train_steps) // rl.num_iterations,
+        "num_iterations": rl.num_iterations,
         "log_period": config.log_period,
         "enable_checkpointing": config.enable_checkpointing,
         "checkpoint_period": config.checkpoint_period,

@@ -1,22 +1,36 @@
-"""Phase functions shared by the step schedules: sampling, prompt tokens, the default engine,
-and packing a host's rows to the agreed rows-per-device K (phase 4)."""
+"""The phases of a GRPO step, shared by the colocated and the disaggregated schedules.
+
+Rollout side, on any process with an engine: `Prompts` (the run's prompt set), then
+`RolloutPhases`: admit -> generate -> score, giving one `records.Rollout` (the pack-able
+sequences with their behaviour logprobs and policy version). Trainer side, on the processes of
+the trainer's jax.distributed group: `pack` (rows padded to the agreed K, in the step's one
+exchange) -> `TrainPhase` (num_iterations updates) -> `publish` into a local engine. Metrics
+are `runtime.reporting`'s. Nothing here assumes that one process both generates and trains:
+hosts and host indices are arguments, and only `topology` talks to other processes.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import sys
+from typing import Any
 
 import numpy as np
 
-from tunix_mcjax import packing, topology
+from tunix_mcjax import admission, metrics, packing, rewards, topology
 from tunix_mcjax.config import Config, ConfigError
-from tunix_mcjax.engine import Completion, Engine, SamplingParams
-from tunix_mcjax.tasks import Task
+from tunix_mcjax.engine import Completion, Engine, SamplingParams, stops
+from tunix_mcjax.publish import Publisher
+from tunix_mcjax.runtime import exchange, stepmath
+from tunix_mcjax.runtime.engines import ENGINES, default_engine
+from tunix_mcjax.runtime.records import Admission, Rollout
+from tunix_mcjax.tasks import RewardFn, Task
 from tunix_mcjax.tokenizer import unknown_characters
-from tunix_mcjax.trainer import loss_weights
+from tunix_mcjax.trainer import Trainer
 
-ROW_FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages",
-              "old_logps")
+__all__ = ["ENGINES", "Prompts", "RolloutPhases", "TrainPhase", "TrainResult", "default_engine",
+           "encode_prompt", "filter_task", "pack", "pack_local", "publish", "rollout_seed",
+           "sampling_params", "tokenize_prompts"]
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -87,98 +101,164 @@ def filter_task(task: Task, tokenizer, cfg: Config, host: int) -> tuple[Task, li
                                fields=fields), tokens
 
 
-def _engine_options(cfg: Config) -> dict:
-    """The engine settings every engine of our decode loop takes."""
-    return dict(
-        max_prompt_length=cfg.max_prefill_predict_length,
-        max_new_tokens=cfg.max_completion_length,
-        tensor_parallelism=cfg.rollout_tensor_parallelism,
-        data_parallelism=cfg.rollout_data_parallelism,
-        continuous_batching=cfg.rollout_continuous_batching,
-        max_batch_size=cfg.rollout_max_batch_size,
-    )
+@dataclasses.dataclass(frozen=True)
+class Prompts:
+    """A run's prompts as the rollout side uses them: the task without over-long prompts, their
+    token ids and lengths, the reward functions, and the tokenizer's pad and stop ids."""
+
+    tokenizer: Any
+    task: Task
+    tokens: list[np.ndarray]
+    lengths: np.ndarray
+    reward_fns: tuple[RewardFn, ...]
+    pad_id: int
+    eos_ids: tuple[int, ...]
+
+    @classmethod
+    def load(cls, cfg: Config, tokenizer: Any, task: Task, host: int) -> Prompts:
+        """Filters the task (MaxText filters its data too) and resolves the rewards, before any
+        device work."""
+        task, tokens = filter_task(task, tokenizer, cfg, host)
+        reward_fns = rewards.resolve_reward_fns(cfg.reward_functions, task)
+        eos_ids = stops.model_stop_ids(tokenizer, (cfg.load_parameters_path, cfg.tokenizer_path))
+        return cls(tokenizer, task, tokens, np.array([len(t) for t in tokens]), reward_fns,
+                   tokenizer.pad_token_id, eos_ids)
 
 
-def jax_engine(cfg: Config, model_config, devices, pad_id: int,
-               eos_ids: tuple[int, ...]) -> Engine:
-    """Our decode loop over Tunix Qwen3 (`rollout_engine=jax`)."""
-    from tunix_mcjax.engine.jax_engine import JaxEngine
+class RolloutPhases:
+    """Phases 1-3 on one rollout host (`host` of `num_hosts`), on its own engine."""
 
-    return JaxEngine(model_config, devices, pad_id=pad_id, eos_ids=eos_ids,
-                     lockstep=cfg.rl_runtime == "single", **_engine_options(cfg))
+    def __init__(self, cfg: Config, prompts: Prompts, engine: Engine, num_hosts: int,
+                 host: int):
+        self.cfg, self.prompts, self.engine = cfg, prompts, engine
+        self.num_hosts, self.host = num_hosts, host
+        self.sampling = sampling_params(cfg)
+
+    def admit(self, step: int, history: stepmath.LengthHistory) -> Admission:
+        """The step's global batch and this host's whole groups of it (O3: balanced)."""
+        cfg = self.cfg
+        global_idx = admission.global_prompt_indices(
+            len(self.prompts.tokens), cfg.batch_size, cfg.seed, step, cfg.data_repeat_period)
+        expected = history.expected(global_idx, cfg.max_completion_length / 2) \
+            if cfg.rl_balance_by_expected_output else None
+        positions = admission.host_prompt_positions(
+            self.num_hosts, self.host, self.prompts.lengths[global_idx],
+            cfg.rl_balance_prompts_by_length, expected, cfg.num_generations)
+        return Admission(step, global_idx, global_idx[positions])
+
+    def generate(self, adm: Admission) -> list[Completion]:
+        g = self.cfg.num_generations
+        requests = [self.prompts.tokens[i] for i in adm.local_indices for _ in range(g)]
+        return self.engine.generate(requests, self.sampling,
+                                    rollout_seed(self.cfg.seed, adm.step, self.host))
+
+    def score(self, adm: Admission, completions: list[Completion]
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rewards, correct, group advantages); every group is whole on this host."""
+        g, task = self.cfg.num_generations, self.prompts.task
+        expanded = [i for i in adm.local_indices for _ in range(g)]
+        # A completion that stopped ends with its stop token; only that one is dropped.
+        texts = self.prompts.tokenizer.batch_decode(
+            [c.tokens[:-1] if c.finish_reason != "length" else c.tokens for c in completions],
+            skip_special_tokens=True)
+        prompts = [task.prompts[i] for i in expanded]
+        fields = {k: [v[i] for i in expanded] for k, v in task.fields.items()}
+        reward = rewards.score(self.prompts.reward_fns, prompts, texts, fields, expanded)
+        correct = np.asarray(task.accuracy_fn(prompts=prompts, completions=texts, **fields))
+        return reward, correct, rewards.group_advantages(reward, g)
+
+    def rollout(self, step: int, policy_version: int, history: stepmath.LengthHistory,
+                timer: metrics.PhaseTimer | None = None) -> Rollout:
+        """Admit, generate and score, each timed as its phase (in `timer`, when given: the
+        step's), with `policy_version`: the version of the engine's weights."""
+        timer = timer or metrics.PhaseTimer()
+        with timer.phase("admit"):
+            adm = self.admit(step, history)
+        with timer.phase("generate"):
+            completions = self.generate(adm)
+        with timer.phase("reward"):
+            reward, correct, advantages = self.score(adm, completions)
+        seconds = {p: timer.seconds[p] for p in ("admit", "generate", "reward")}
+        return Rollout(adm, tuple(self.prompts.tokens[i] for i in adm.local_indices),
+                       tuple(completions), reward, correct, advantages, policy_version, seconds)
 
 
-def maxtext_engine(cfg: Config, model_config, devices, pad_id: int,
-                   eos_ids: tuple[int, ...]) -> Engine:
-    """Our decode loop over MaxText's own model (`rollout_engine=maxtext`); `model_config` is
-    the trainer's MaxText config."""
-    from tunix_mcjax.engine.maxtext_engine import MaxTextEngine
+def pack(cfg: Config, seqs: list[packing.Sequence], pad_id: int, num_local_devices: int,
+         watchdog: topology.Watchdog | None, *, metrics: np.ndarray | None = None,
+         lengths: np.ndarray | None = None) -> tuple[dict[str, np.ndarray], exchange.Exchanged]:
+    """Phase 4: this host's rows padded to the agreed K, with global loss weights.
 
-    if not hasattr(model_config, "decoder_block"):
-        raise ConfigError(
-            "rollout_engine=maxtext decodes MaxText's own model, so it runs under the MaxText "
-            "adapter (rl_runtime=mcjax on MaxText's train_rl); this run's model is Tunix Qwen3: "
-            "use rollout_engine=jax")
-    return MaxTextEngine(model_config, devices, pad_id=pad_id, eos_ids=eos_ids,
-                         weight_dtype=cfg.rollout_weight_dtype or None, **_engine_options(cfg))
-
-
-def vllm_engine(cfg: Config, model_config, devices, pad_id: int,
-                eos_ids: tuple[int, ...]) -> Engine:
-    """In-process vLLM on this host's devices (`rollout_engine=vllm`)."""
-    from tunix_mcjax.config import json_object
-    from tunix_mcjax.engine.vllm_engine import VllmEngine, VllmOptions
-
-    options = VllmOptions(
-        hbm_utilization=cfg.hbm_utilization_vllm,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
-        enable_dp_attention=cfg.enable_dp_attention, async_scheduling=cfg.async_scheduling,
-        additional_config=json_object(cfg, "vllm_additional_config"),
-        hf_overrides=json_object(cfg, "vllm_hf_overrides"))
-    return VllmEngine(
-        model_config, devices, pad_id=pad_id, eos_ids=eos_ids,
-        max_prompt_length=cfg.max_prefill_predict_length,
-        max_new_tokens=cfg.max_completion_length,
-        tensor_parallelism=cfg.rollout_tensor_parallelism,
-        data_parallelism=cfg.rollout_data_parallelism,
-        max_num_seqs=cfg.rollout_max_batch_size, options=options)
-
-
-# `rollout_engine` -> the builder of that engine on this host's devices.
-ENGINES = {"jax": jax_engine, "maxtext": maxtext_engine, "vllm": vllm_engine}
-
-
-def default_engine(cfg: Config, model_config, devices, pad_id: int,
-                   eos_ids: tuple[int, ...]) -> Engine:
-    """The engine `rollout_engine` names, on this host's `devices` only."""
-    return ENGINES[cfg.rollout_engine](cfg, model_config, devices, pad_id, eos_ids)
+    Runs the step's one exchange among the trainer's hosts, which also carries `metrics` (a
+    deferred host record's vector) and `lengths` (O3's (prompt, length) pairs). Returns (local
+    batch, what every host sent)."""
+    rows = packing.pack(seqs, cfg.max_target_length, pad_id)
+    message = exchange.HostMessage(
+        rows.num_rows, len(seqs), stepmath.completion_tokens(seqs),
+        np.zeros(0) if metrics is None else metrics,
+        np.zeros((0, 2)) if lengths is None else lengths)
+    everyone = exchange.exchange(message, watchdog)
+    local = stepmath.local_batch(rows, everyone.rows_per_device(num_local_devices),
+                                 num_local_devices, pad_id, cfg.loss_agg_mode,
+                                 everyone.global_sequences, everyone.global_tokens)
+    return local, everyone
 
 
 def pack_local(cfg: Config, prompts: list[np.ndarray], completions: list[Completion],
                advantages: np.ndarray, pad_id: int, num_local_devices: int,
                sync_payload: np.ndarray, watchdog: topology.Watchdog | None = None
-               ) -> tuple[dict[str, np.ndarray], np.ndarray, np.ndarray]:
-    """Phase 4: this host's rows padded to the agreed K, with global loss weights.
+               ) -> tuple[dict[str, np.ndarray], np.ndarray, int]:
+    """`pack` of completions, `prompts[j]` being completion j's. Returns (local batch, every
+    host's `sync_payload` [num_hosts, n], K per device)."""
+    local, everyone = pack(cfg, stepmath.sequences(prompts, completions, advantages), pad_id,
+                           num_local_devices, watchdog, metrics=sync_payload)
+    return local, everyone.metrics, everyone.rows_per_device(num_local_devices)
 
-    `prompts[j]` is completion j's prompt. One all-gather carries every host's row, sequence
-    and token counts (int64, exact) and `sync_payload` (float64: O1's previous-step metrics).
-    Returns (local batch, the other hosts' payloads [num_hosts, n], K per device).
+
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+    metrics: dict[str, float]  # the first iteration's; finite 0.0 when any was not finite
+    applied: int  # iterations whose update was applied
+    compiled: bool  # a train program was compiled
+
+
+class TrainPhase:
+    """Phase 5: `num_iterations` updates on one packed batch (MaxText's `rl.num_iterations`,
+    GRPO's mu).
+
+    Tunix (grpo_learner with num_iterations > 1): the rollout model scores the batch once with
+    the weights it was sampled with (`rl_cluster.get_old_per_token_logps`), and the same
+    TrainExample goes to the actor num_iterations times (rl_learner's `batch_repeat`), one
+    optimizer update each, every one against those old logps. Here the old logps are the
+    engine's logprobs of the sampled tokens (same weights and temperature), so no scoring pass:
+    the first update takes old = stop_gradient(current) (Tunix's first update, whose ratio is 1),
+    the later ones Tunix's clipped ratio against the engine's logprobs. A trainer built
+    `off_policy` (stale rollouts) is off-policy in every iteration. Iterations stop at the first
+    non-finite one (never applied).
     """
-    seqs = [packing.Sequence(p, c.tokens, float(a), c.logprobs)
-            for p, c, a in zip(prompts, completions, advantages, strict=True)]
-    rows = packing.pack(seqs, cfg.max_target_length, pad_id)
-    counts = np.array([rows.num_rows, len(seqs), sum(len(c.tokens) for c in completions)],
-                      np.int64)
-    message = np.concatenate([counts.view(np.float64), np.asarray(sync_payload, np.float64)])
-    if watchdog is None:
-        gathered = topology.allgather(message)
-    else:
-        with watchdog.guard("pack"):
-            gathered = topology.allgather(message)
-    all_counts = np.ascontiguousarray(gathered[:, :3]).view(np.int64)
-    k = packing.rows_per_device(all_counts[:, 0].tolist(), num_local_devices)
-    rows = packing.pad_rows(rows, k * num_local_devices, pad_id)
-    local = {f: getattr(rows, f) for f in ROW_FIELDS}
-    local["weights"] = loss_weights(rows, cfg.loss_agg_mode, int(all_counts[:, 1].sum()),
-                                    int(all_counts[:, 2].sum())).astype(np.float32)
-    return local, gathered[:, 3:], k
+
+    def __init__(self, trainer: Trainer, watchdog: topology.Watchdog, num_iterations: int):
+        self.trainer, self.watchdog, self.num_iterations = trainer, watchdog, num_iterations
+        self._compiled_for: set[tuple[int, bool]] = set()  # (K, off-policy) programs built
+
+    def __call__(self, local: dict[str, np.ndarray], rows_per_device: int) -> TrainResult:
+        trainer, programs = self.trainer, self.trainer.compile_count
+        first: dict[str, float] | None = None
+        applied = 0
+        for i in range(self.num_iterations):
+            off_policy = trainer.off_policy or i > 0
+            shape = (rows_per_device, off_policy)
+            compiles = shape not in self._compiled_for  # step 0, or a new K
+            self._compiled_for.add(shape)
+            with self.watchdog.guard("train", compiles=compiles):
+                out = trainer.step(local, off_policy=off_policy)
+            first = first or out
+            if out.get("finite", 1.0) != 1.0:
+                first = {**first, "finite": 0.0}
+                break
+            applied += 1
+        return TrainResult(first, applied, trainer.compile_count > programs)
+
+
+def publish(publisher: Publisher, trainer: Trainer, engine: Engine) -> None:
+    """Phase 6: the trainer's weights into this host's engine replicas."""
+    publisher.publish(trainer.engine_params(), engine, gathered=trainer.engine_params_gathered)

@@ -15,6 +15,8 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from tunix_mcjax import topology
 from tunix_mcjax.checkpoint import Checkpointer
 from tunix_mcjax.config import Config
@@ -100,3 +102,30 @@ class NonFinitePolicy:
         print(f"{what}; skipped ({self.count} of max_nonfinite_steps={self.max_steps})",
               file=sys.stderr, flush=True)
         return False
+
+
+def train_state(trainer: Any, history: Any, nonfinite: NonFinitePolicy) -> dict[str, Any]:
+    """What a resume needs: the trainer state, O3's output-length history (kept whatever the
+    flags, so they may change), and the count of skipped non-finite steps."""
+    return {"params": trainer.params, "opt_state": trainer.opt_state,
+            "output_len": history.state(),
+            "nonfinite_steps": np.array(nonfinite.count, np.int32)}
+
+
+def restore(state: RunState, trainer: Any, history: Any, nonfinite: NonFinitePolicy) -> int:
+    """Resumes from the newest readable checkpoint in the run directory; the first step."""
+    first, saved = state.restore(train_state(trainer, history, nonfinite))
+    if saved is not None:
+        trainer.params, trainer.opt_state = saved["params"], saved["opt_state"]
+        if "output_len" in saved:
+            history.load(saved["output_len"])
+        nonfinite.count = int(saved.get("nonfinite_steps", 0))
+    return first
+
+
+def preempted(host: int, step: int, state: RunState) -> Preempted:
+    """The notice's exception, once every host saved; the run state is closed."""
+    message = (f"host {host}: preemption notice (SIGTERM) at step {step}; "
+               f"{state.describe_last()}. Rerun the same command to resume.")
+    state.close()
+    return Preempted(message)

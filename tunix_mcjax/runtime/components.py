@@ -1,0 +1,61 @@
+"""What a run trains and samples with (`Components`), and building it with the run's prompts."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from tunix_mcjax import models, topology
+from tunix_mcjax.config import Config
+from tunix_mcjax.runtime.phases import Prompts
+from tunix_mcjax.tasks import Task, load_task
+from tunix_mcjax.tokenizer import load_tokenizer
+from tunix_mcjax.trainer import Policy, qwen3_policy
+
+
+@dataclasses.dataclass
+class Components:
+    """What a run trains and samples with. Built from the config by default; the MaxText adapter
+    supplies its own (MaxText's model as the policy, its tokenizer, data and rewards)."""
+
+    tokenizer: Any
+    task: Task
+    mesh: jax.sharding.Mesh  # the trainer's global mesh; batch rows shard over its "fsdp" axis
+    policy: Policy
+    params: Any
+    engine_model_config: Any  # the engine's: Tunix Qwen3 ModelConfig (jax), MaxText's (maxtext)
+    optimizer: Any = None  # an optax transformation; None: `trainer.make_optimizer(cfg)`
+    evaluator: Any = None  # a runtime.evaluation.Evaluator; needed when num_test_batches > 0
+
+
+def default_components(cfg: Config, topo: topology.Topology, tokenizer, task: Task
+                       ) -> Components:
+    """The config's tiny Qwen3 on the global mesh (a cross-host build: run it guarded)."""
+    mesh = topology.trainer_mesh(topo)
+    vocab = len(tokenizer)
+    model = models.build_model(cfg, models.model_config(cfg, vocab), mesh)
+    policy, params = qwen3_policy(model)
+    return Components(tokenizer, task, mesh, policy, params,
+                      models.model_config(cfg, vocab, for_sampling=True))
+
+
+def build(cfg: Config, topo: topology.Topology,
+          components: Components | Callable[[], Components] | None,
+          watchdog: topology.Watchdog) -> tuple[Components, Prompts]:
+    """`components` (prebuilt, a function that builds them, or None: the config's), and the
+    run's prompts. Prompts over the budget and unknown rewards fail before the model build;
+    every build that waits on other hosts runs under the watchdog."""
+    if callable(components):
+        with watchdog.guard("build", compiles=True):
+            components = components()
+    tokenizer = components.tokenizer if components else \
+        load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
+    prompts = Prompts.load(cfg, tokenizer, components.task if components else load_task(cfg),
+                           topo.host)
+    if components is None:
+        with watchdog.guard("build", compiles=True):
+            components = default_components(cfg, topo, tokenizer, prompts.task)
+    return components, prompts
