@@ -1,13 +1,14 @@
-"""The two kinds of actor of the disaggregated mode, each one JAX process of its own.
+"""The two kinds of actor of the disaggregated mode, each one JAX process of its own, each
+running the shared phases (`runtime.phases`) of its side of the step.
 
 - `RolloutWorker`: one rollout host. Its own engine on its own devices (no jax.distributed);
-  it admits its share of the step's prompts, generates with the policy version it was last
-  given, scores and computes group advantages (phases 1-3). Each batch carries its version.
-- `TrainerWorker`: one trainer host, one process of the trainers' jax.distributed group. It
-  packs the rollout hosts' batches (rows per device agreed among the trainers), runs the same
-  global FSDP train step as the colocated mode with the off-policy loss (behaviour logprobs from
-  the engine), and publishes: the leader `ray.put`s one host copy of the new weights, once per
-  version; every rollout actor fetches that one object.
+  `RolloutPhases.rollout` (admit, generate, score) on its share of the step's prompts, with the
+  policy version it last loaded, which the `Rollout` carries.
+- `TrainerWorker`: one trainer host, one process of the trainers' jax.distributed group:
+  `phases.pack` (rows per device agreed in the trainers' exchange) and `TrainPhase` (the
+  colocated mode's FSDP update, off-policy against the engine's behaviour logprobs), then the
+  publish: the leader `ray.put`s one host copy of the new weights, once per version; every
+  rollout actor fetches that one object.
 """
 
 from __future__ import annotations
@@ -21,21 +22,16 @@ import numpy as np
 import ray
 from jax.sharding import NamedSharding, PartitionSpec
 
-from tunix_mcjax import admission, metrics, models, rewards, topology
+from tunix_mcjax import metrics, models, topology
 from tunix_mcjax.config import Config
-from tunix_mcjax.engine import Completion, stops
 from tunix_mcjax.publish import _nest
-from tunix_mcjax.runtime import phases
-from tunix_mcjax.runtime.colocated import default_components, freeze_gc
+from tunix_mcjax.runtime import components, phases
+from tunix_mcjax.runtime.colocated import freeze_gc
+from tunix_mcjax.runtime.records import HostRecord, Rollout
+from tunix_mcjax.runtime.stepmath import LengthHistory
 from tunix_mcjax.tasks import load_task
 from tunix_mcjax.tokenizer import load_tokenizer
 from tunix_mcjax.trainer import Trainer
-
-
-def _task_and_tokens(cfg: Config, host: int):
-    tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
-    task, prompt_tokens = phases.filter_task(load_task(cfg), tokenizer, cfg, host)
-    return tokenizer, task, prompt_tokens
 
 
 def host_copy(tree: Any) -> Any:
@@ -46,19 +42,17 @@ def host_copy(tree: Any) -> Any:
 
 
 class RolloutWorker:
-    """One rollout host: admit, generate, score on its own engine, one step stale."""
+    """One rollout host: the rollout phases on its own engine, one step stale."""
 
     def __init__(self, cfg: Config, index: int, num_rollouts: int):
-        self.cfg, self.index, self.num_rollouts = cfg, index, num_rollouts
-        self.tokenizer, self.task, self.prompt_tokens = _task_and_tokens(cfg, index)
-        self.prompt_lengths = np.array([len(t) for t in self.prompt_tokens])
-        self.reward_fns = rewards.resolve_reward_fns(cfg.reward_functions, self.task)
-        eos_ids = stops.model_stop_ids(self.tokenizer, (cfg.load_parameters_path,
-                                                        cfg.tokenizer_path))
-        model_config = models.model_config(cfg, len(self.tokenizer), for_sampling=True)
-        self.engine = phases.default_engine(cfg, model_config, list(jax.local_devices()),
-                                            self.tokenizer.pad_token_id, eos_ids)
-        self.sampling = phases.sampling_params(cfg)
+        self.cfg, self.index = cfg, index
+        tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
+        prompts = phases.Prompts.load(cfg, tokenizer, load_task(cfg), index)
+        self.engine = phases.default_engine(
+            cfg, models.model_config(cfg, len(tokenizer), for_sampling=True),
+            list(jax.local_devices()), prompts.pad_id, prompts.eos_ids)
+        self.phases = phases.RolloutPhases(cfg, prompts, self.engine, num_rollouts, index)
+        self.history = LengthHistory(len(prompts.tokens))  # stays empty: O3x is colocated-only
         self.version, self.weights_object = -1, ""
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with it
@@ -80,63 +74,21 @@ class RolloutWorker:
         self.version, self.weights_object = version, weights[0].hex()
 
     def generate(self, step: int, version: int, weights: list[ray.ObjectRef]
-                 ) -> tuple[dict, dict]:
-        """(batch for the trainer, host record) of this host's share of step `step`'s prompts,
+                 ) -> tuple[Rollout, dict]:
+        """(rollout for the trainer, host record) of this host's share of step `step`,
         generated with policy `version` (`weights`: its object, in a list so that Ray does not
         fetch it for a version already loaded)."""
-        cfg, timer, g = self.cfg, metrics.PhaseTimer(), self.cfg.num_generations
-        programs = self.engine.compile_count
+        timer, programs = metrics.PhaseTimer(), self.engine.compile_count
         with timer.phase("load"):
             self._load(version, weights)
-        with timer.phase("admit"):
-            global_idx = admission.global_prompt_indices(
-                len(self.prompt_tokens), cfg.batch_size, cfg.seed, step, cfg.data_repeat_period)
-            local_idx = global_idx[self._positions(self.prompt_lengths[global_idx])]
-            expanded = [int(i) for i in local_idx for _ in range(g)]
-        with timer.phase("generate"):
-            completions = self.engine.generate(
-                [self.prompt_tokens[i] for i in expanded], self.sampling,
-                phases.rollout_seed(cfg.seed, step, self.index))
-        with timer.phase("reward"):
-            reward, correct, advantages = self._score(expanded, completions)
-        if step == 0 and cfg.rl_gc_freeze_after_warmup:
+        rollout = self.phases.rollout(step, version, self.history, timer)
+        if step == 0 and self.cfg.rl_gc_freeze_after_warmup:
             freeze_gc()
-        lens = np.array([len(c.tokens) for c in completions])
-        batch = {"prompts": [self.prompt_tokens[i] for i in expanded],
-                 "completions": completions, "advantages": advantages, "version": version}
-        record = {
-            "rollout": self.index, "version": self.version, "weights_object": self.weights_object,
-            "step_s": timer.total(), **{f"{p}_s": timer.seconds.get(p, 0.0)
-                                        for p in ("load", "admit", "generate", "reward")},
-            "reward_sum": float(reward.sum()), "correct_sum": float(correct.sum()),
-            "completions": len(completions), "completion_tokens": int(lens.sum()),
-            "completion_len_max": int(lens.max()), "prompts": len(local_idx),
-            "truncated": sum(c.finish_reason == "length" for c in completions),
-            "prompt_tokens": int(self.prompt_lengths[local_idx].sum()),
-            "compiled": int(self.engine.compile_count > programs),
-            "global_prompt_indices": global_idx.tolist(),
-        }
-        return batch, record
-
-    def _positions(self, lengths: np.ndarray) -> np.ndarray:
-        """This host's positions in the global batch: O3's or the contiguous split, which here
-        may leave hosts one prompt apart (splits such as 3 rollout hosts of 4)."""
-        if len(lengths) % self.num_rollouts == 0:
-            return admission.host_prompt_positions(
-                self.num_rollouts, self.index, lengths, self.cfg.rl_balance_prompts_by_length,
-                None, self.cfg.num_generations)
-        return np.array_split(np.arange(len(lengths)), self.num_rollouts)[self.index]
-
-    def _score(self, expanded: list[int], completions: list[Completion]):
-        # A completion that stopped ends with its stop token; only that one is dropped.
-        texts = self.tokenizer.batch_decode(
-            [c.tokens[:-1] if c.finish_reason != "length" else c.tokens for c in completions],
-            skip_special_tokens=True)
-        prompts = [self.task.prompts[i] for i in expanded]
-        fields = {k: [v[i] for i in expanded] for k, v in self.task.fields.items()}
-        reward = rewards.score(self.reward_fns, prompts, texts, fields, expanded)
-        correct = np.asarray(self.task.accuracy_fn(prompts=prompts, completions=texts, **fields))
-        return reward, correct, rewards.group_advantages(reward, self.cfg.num_generations)
+        record = HostRecord.of(rollout, self.index, timer.total(), timer.seconds, {},
+                               compiled=self.engine.compile_count > programs, rows_per_device=0,
+                               train_compiled=False).to_json()
+        return rollout, {**record, "load_s": timer.seconds["load"],
+                         "weights_object": self.weights_object}
 
 
 class TrainerWorker:
@@ -147,16 +99,15 @@ class TrainerWorker:
         self.topo = topology.initialize_from_env()
         self.watchdog = topology.Watchdog(self.topo.host, cfg.collective_timeout_s,
                                           cfg.compile_timeout_s)
-        tokenizer, task, _ = _task_and_tokens(cfg, self.topo.host)
-        self.pad_id = tokenizer.pad_token_id
+        parts, prompts = components.build(cfg, self.topo, None, self.watchdog)
+        self.pad_id = prompts.pad_id
         with self.watchdog.guard("build", compiles=True):
-            parts = default_components(cfg, self.topo, tokenizer, task)
             self.trainer = Trainer(cfg, parts.policy, parts.params, parts.mesh, off_policy=True)
+        self.train_phase = phases.TrainPhase(self.trainer, self.watchdog, cfg.num_iterations)
         self.mesh = parts.mesh
         self._replicate = jax.jit(lambda t: t,
                                   out_shardings=NamedSharding(self.mesh, PartitionSpec()))
         self.version, self.puts = 0, 0
-        self._seen_k: set[int] = set()
 
     def __repr__(self) -> str:
         return f"trainer-{self.rank}"
@@ -180,27 +131,20 @@ class TrainerWorker:
         return {"version": self.version, "weights": weights, "puts": self.puts,
                 "publish_s": time.perf_counter() - t0}
 
-    def train(self, step: int, *batches: dict) -> dict:
-        """Update `step` (version v -> v+1) on this trainer's rollout batches, then publish v+1."""
-        cfg, timer = self.cfg, metrics.PhaseTimer()
-        versions = [b["version"] for b in batches]
+    def train(self, step: int, *rollouts: Rollout) -> dict:
+        """Update `step` (version v -> v+1) on this trainer's rollouts, then publish v+1."""
+        timer, local_devices = metrics.PhaseTimer(), len(self.topo.local_devices)
         with timer.phase("pack"):
-            local, _, k = phases.pack_local(
-                cfg, [p for b in batches for p in b["prompts"]],
-                [c for b in batches for c in b["completions"]],
-                np.concatenate([b["advantages"] for b in batches]), self.pad_id,
-                len(self.topo.local_devices), np.zeros(0), self.watchdog)
-        compiles = k not in self._seen_k
-        self._seen_k.add(k)
-        programs = self.trainer.compile_count
-        with timer.phase("train"), self.watchdog.guard("train", compiles=compiles):
-            train_metrics = self.trainer.step(local)
+            local, everyone = phases.pack(self.cfg, [s for r in rollouts for s in r.sequences()],
+                                          self.pad_id, local_devices, self.watchdog)
+        k = everyone.rows_per_device(local_devices)
+        with timer.phase("train"):
+            result = self.train_phase(local, k)
         trained_on, self.version = self.version, self.version + 1
-        if step == 0 and cfg.rl_gc_freeze_after_warmup:
+        if step == 0 and self.cfg.rl_gc_freeze_after_warmup:
             freeze_gc()
-        published = self.publish()
-        return {**train_metrics, **published, "trained_on": trained_on,
-                "batch_versions": versions, "rows_per_device": k,
-                "trainer_processes": self.topo.num_hosts,
+        return {**result.metrics, **self.publish(), "trained_on": trained_on,
+                "batch_versions": [r.policy_version for r in rollouts],
+                "trainer_processes": self.topo.num_hosts, "rows_per_device": k,
                 "pack_s": timer.seconds["pack"], "train_s": timer.seconds["train"],
-                "compiled": int(self.trainer.compile_count > programs)}
+                "compiled": int(result.compiled)}

@@ -21,6 +21,7 @@ import tunix_mcjax
 from tunix_mcjax.launch import host_env
 
 PACKAGE_ROOT = str(Path(tunix_mcjax.__file__).resolve().parents[1])
+DEATH_GRACE_S = 5.0  # how long a failed call waits to see whether a peer's death caused it
 
 
 class ActorFailed(RuntimeError):
@@ -87,7 +88,25 @@ def wait_all(calls: dict[str, ray.ObjectRef], timeout_s: float, what: str) -> di
                 raise ActorFailed(name, f"its process died during {what} ({type(e).__name__})",
                                   died=True) from e
             except RayTaskError as e:
-                raise ActorFailed(name, f"{what} raised {e.cause!r}", died=False) from e
+                # A peer's death often surfaces first as this one's failed collective: name the
+                # dead one when there is one.
+                raise _dead_among(pending, what) or ActorFailed(
+                    name, f"{what} raised {e.cause!r}", died=False) from e
             except GetTimeoutError as e:
                 raise ActorFailed(name, f"{what} did not return", died=False) from e
     return out
+
+
+def _dead_among(pending: dict[ray.ObjectRef, str], what: str,
+                grace_s: float = DEATH_GRACE_S) -> ActorFailed | None:
+    """The first of the `pending` calls whose actor died, waiting up to `grace_s` for Ray to
+    notice; None when none did."""
+    ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=grace_s)
+    for ref in ready:
+        try:
+            ray.get(ref, timeout=1.0)
+        except RayActorError:
+            return ActorFailed(pending[ref], f"its process died during {what}", died=True)
+        except Exception:  # noqa: BLE001 - only a death is looked for here
+            continue
+    return None
