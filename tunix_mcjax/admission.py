@@ -26,8 +26,9 @@ def global_prompt_indices(num_prompts: int, batch_size: int, seed: int, step: in
 
 
 def split_contiguous(num_prompts: int, num_hosts: int) -> list[np.ndarray]:
-    """Host h gets batch positions [h*P/H, (h+1)*P/H): the base layout."""
-    return list(np.arange(num_prompts).reshape(num_hosts, -1))
+    """Host h gets batch positions [h*P/H, (h+1)*P/H): the base layout. When H does not divide
+    P (the rollout hosts of some disaggregated splits), shares differ by at most one prompt."""
+    return np.array_split(np.arange(num_prompts), num_hosts)
 
 
 def split_balanced(work: np.ndarray, num_hosts: int) -> list[np.ndarray]:
@@ -58,10 +59,11 @@ def prompt_work(prompt_lengths: np.ndarray, expected_output: np.ndarray | None,
 def host_prompt_positions(num_hosts: int, host: int, prompt_lengths: np.ndarray,
                           balance: bool, expected_output: np.ndarray | None = None,
                           num_generations: int = 1) -> np.ndarray:
-    """Positions (into the global batch) of the prompts that `host` admits."""
-    if len(prompt_lengths) % num_hosts:
-        raise ValueError(f"{len(prompt_lengths)} prompts do not divide over {num_hosts} hosts")
+    """Positions (into the global batch) of the prompts that `host` admits; O3's balance needs
+    equal shares."""
     if not balance:
         return split_contiguous(len(prompt_lengths), num_hosts)[host]
+    if len(prompt_lengths) % num_hosts:
+        raise ValueError(f"{len(prompt_lengths)} prompts do not divide over {num_hosts} hosts")
     work = prompt_work(prompt_lengths, expected_output, num_generations)
     return split_balanced(work, num_hosts)[host]

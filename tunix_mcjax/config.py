@@ -199,6 +199,18 @@ class Config:
     enable_tensorboard: bool = False
     # --- end MaxText recipes ---
 
+    # --- Disaggregated mode (rl_runtime=mcjax_da, runtime/disaggregated.py; paper §2, §4.4) ---
+    # Share of the hosts that train (one jax.distributed group); the rest generate, one step
+    # stale. The paper's splits: 0.5, 0.25, 0.125.
+    rl_trainer_hosts_fraction: float = 0.5
+    # Times each rollout actor may be restarted after it dies; its batch is regenerated with
+    # the same policy version and seed. 0: a dead rollout actor ends the run.
+    rl_rollout_restarts: int = 0
+    # Size of the object store of the local Ray cluster the launcher starts (MiB); it holds one
+    # published copy of the weights per version in flight and the rollout batches.
+    rl_ray_object_store_mb: int = 512
+    # --- end disaggregated mode ---
+
     # Derived sizes.
     @property
     def max_completion_length(self) -> int:
@@ -220,8 +232,34 @@ class Config:
     def replace(self, **changes: Any) -> Config:
         return load_config(None, overrides=changes, base=self)
 
+    def disaggregated_split(self, num_hosts: int) -> tuple[int, int]:
+        """(trainer hosts, rollout hosts) of `num_hosts` under rl_runtime=mcjax_da."""
+        trainers = self.rl_trainer_hosts_fraction * num_hosts
+        if trainers < 1 or trainers != int(trainers) or num_hosts - trainers < 1:
+            raise ConfigError(
+                f"rl_trainer_hosts_fraction={self.rl_trainer_hosts_fraction} of {num_hosts} hosts "
+                f"is {trainers:g} trainer hosts: it must be a whole number >= 1 that leaves a "
+                f"rollout host. Use --hosts {round(1 / self.rl_trainer_hosts_fraction)} or a "
+                "multiple of it.")
+        rollouts = num_hosts - int(trainers)
+        if self.batch_size < rollouts:
+            raise ConfigError(
+                f"batch_size={self.batch_size} prompts per step leaves some of the {rollouts} "
+                f"rollout hosts without a prompt ({num_hosts} hosts, rl_trainer_hosts_fraction="
+                f"{self.rl_trainer_hosts_fraction}). Raise batch_size, or use fewer hosts.")
+        if self.rl_balance_prompts_by_length and self.batch_size % rollouts:
+            raise ConfigError(
+                f"rl_balance_prompts_by_length=true gives every host the same number of prompts, "
+                f"but batch_size={self.batch_size} does not divide by the {rollouts} rollout "
+                f"hosts. Use a multiple of {rollouts}, or turn O3 off (shares then differ by "
+                "at most one prompt).")
+        return int(trainers), rollouts
+
     def validate_topology(self, num_hosts: int, local_devices: int) -> None:
         """Divisibility checks that need the cluster shape. Raises ConfigError."""
+        if self.rl_runtime == "mcjax_da":
+            self.disaggregated_split(num_hosts)
+            num_hosts = 1  # the global batch is split over rollout hosts, checked above
         if self.batch_size % num_hosts:
             raise ConfigError(
                 f"batch_size={self.batch_size} prompts per step does not divide by {num_hosts} "
@@ -254,6 +292,7 @@ RUNTIME_ONLY_KEYS = frozenset({
     "rollout_continuous_batching", "rollout_max_batch_size", "rollout_data_parallelism",
     "fsdp_gather_params_once", "num_test_batches", "eval_interval", "profiler",
     "skip_first_n_steps_for_profiler", "profiler_steps", "enable_tensorboard",
+    "rl_rollout_restarts", "rl_ray_object_store_mb",
 })
 
 
@@ -284,7 +323,7 @@ _CHOICES = {
     "loss_algo": ("grpo", "gspo-token"),  # on-policy they are the same update (trainer.py)
     "loss_agg_mode": ("token-mean", "sequence-mean-token-mean"),
     "advantage_estimator": ("grpo",),
-    "rl_runtime": ("mcjax", "single"),
+    "rl_runtime": ("mcjax", "single", "mcjax_da"),
     "dtype": ("float32", "bfloat16"),
     "weight_dtype": ("float32", "bfloat16"),
     "rollout_weight_dtype": ("", "float32", "bfloat16"),
@@ -417,8 +456,48 @@ def _validate_vllm(cfg: Config) -> None:
         json_object(cfg, key)
 
 
+# --- Disaggregated mode ---
+DA_KEYS = ("rl_trainer_hosts_fraction", "rl_rollout_restarts", "rl_ray_object_store_mb")
+DA_SPLITS = (0.5, 0.25, 0.125)
+# What rl_runtime=mcjax_da does not do (yet), with the fix.
+DA_REFUSED = {
+    "enable_checkpointing": "its trainer and rollout actors do not checkpoint yet",
+    "num_test_batches": "evaluation runs in the colocated runtime only",
+    "profiler": "the JAX profiler is wired into the colocated step only",
+    "rl_async_metrics_export": "O1 moves the colocated metrics barrier off the step; "
+                               "disaggregated metrics are written by the Ray driver, off every "
+                               "actor's step already",
+    "rl_balance_by_expected_output": "the output-length history lives in the colocated runtime",
+}
+
+
+def _validate_disaggregated(cfg: Config) -> None:
+    if cfg.rl_runtime != "mcjax_da":
+        changed = [k for k in DA_KEYS if getattr(cfg, k) != _FIELDS[k].default]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} configure rl_runtime=mcjax_da, but "
+                              f"rl_runtime={cfg.rl_runtime}: set rl_runtime=mcjax_da or drop them")
+        return
+    if cfg.rl_trainer_hosts_fraction not in DA_SPLITS:
+        raise ConfigError(f"rl_trainer_hosts_fraction={cfg.rl_trainer_hosts_fraction} is not one "
+                          f"of the paper's splits {', '.join(map(str, DA_SPLITS))}")
+    if cfg.rl_rollout_restarts < 0 or cfg.rl_ray_object_store_mb < 75:
+        raise ConfigError("rl_rollout_restarts must be >= 0 and rl_ray_object_store_mb >= 75 "
+                          "(Ray's smallest object store is 75 MB)")
+    refused = [k for k in DA_REFUSED if getattr(cfg, k) != _FIELDS[k].default]
+    if refused:
+        raise ConfigError("rl_runtime=mcjax_da cannot honour "
+                          + "; ".join(f"{k} ({DA_REFUSED[k]})" for k in refused)
+                          + ". Drop them, or use rl_runtime=mcjax.")
+    if cfg.rollout_engine != "jax":
+        raise ConfigError(f"rl_runtime=mcjax_da runs rollout_engine=jax in its rollout actors; "
+                          f"rollout_engine={cfg.rollout_engine} is colocated-only for now")
+# --- end disaggregated mode ---
+
+
 def _validate(cfg: Config) -> None:
     _validate_vllm(cfg)
+    _validate_disaggregated(cfg)
     for key, choices in _CHOICES.items():
         if getattr(cfg, key) not in choices:
             raise ConfigError(f"{key}={getattr(cfg, key)!r} is not one of {', '.join(choices)}")

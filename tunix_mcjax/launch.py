@@ -137,7 +137,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(f"launch: {args.hosts} hosts x {args.devices_per_host} devices, run "
           f"{cfg.run_dir}", flush=True)
+    if cfg.rl_runtime == "mcjax_da":
+        return launch_disaggregated(cfg, args.hosts, args.devices_per_host)
     return launch(args.recipe, args.overrides, args.hosts, args.devices_per_host)
+
+
+def launch_disaggregated(cfg, hosts: int, devices: int) -> int:
+    """rl_runtime=mcjax_da: this process is the Ray driver of a local cluster of H actors."""
+    from tunix_mcjax.runtime import disaggregated, ray_cluster
+
+    try:
+        disaggregated.run(cfg, hosts, devices)
+    except ray_cluster.ActorFailed as e:
+        print(f"launch: {e}; the run is stopped", file=sys.stderr, flush=True)
+        return 1
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    return 0
 
 
 if __name__ == "__main__":

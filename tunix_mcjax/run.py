@@ -31,6 +31,11 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return CONFIG_EXIT_CODE
+    if cfg.rl_runtime == "mcjax_da":
+        print("config error: rl_runtime=mcjax_da has one Ray driver that starts every actor, "
+              "not one process per host: run python -m tunix_mcjax.launch --hosts H "
+              f"{args.recipe} rl_runtime=mcjax_da ...", file=sys.stderr)
+        return CONFIG_EXIT_CODE
 
     from tunix_mcjax import topology
     from tunix_mcjax.runtime import colocated

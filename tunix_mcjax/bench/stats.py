@@ -116,3 +116,39 @@ def per_token(step_s: Sequence[float], tokens: Sequence[float]) -> np.ndarray:
 def is_faster(interval: Interval, margin: float = FASTER_MARGIN) -> bool:
     """The paper's verdict rule for one ratio: its lower bound exceeds the margin."""
     return interval.low > margin
+
+
+def welch_log_ratio(numerator: Sequence[float], denominator: Sequence[float],
+                    confidence: float = CONFIDENCE) -> Interval:
+    """exp(mean log numerator - mean log denominator) over launch values (one per launch), with
+    the Welch t interval of that difference: the paper's rule for LoCoJAX-DA against -CO
+    (Appendix A). Needs two launches a side; identical launches give a zero-width interval."""
+    from scipy import stats as st
+
+    x, y = np.log(_values("numerator", numerator)), np.log(_values("denominator", denominator))
+    if x.size < 2 or y.size < 2:
+        raise ValueError(f"a Welch interval needs >= 2 launches per arm, got {x.size} and "
+                         f"{y.size}: run with --launches 3")
+    vx, vy = x.var(ddof=1) / x.size, y.var(ddof=1) / y.size
+    diff, se = x.mean() - y.mean(), np.sqrt(vx + vy)
+    if se == 0:
+        return Interval(float(np.exp(diff)), float(np.exp(diff)), float(np.exp(diff)))
+    df = (vx + vy) ** 2 / (vx ** 2 / (x.size - 1) + vy ** 2 / (y.size - 1))
+    half = st.t.ppf(0.5 + confidence / 2, df) * se
+    return Interval(float(np.exp(diff)), float(np.exp(diff - half)), float(np.exp(diff + half)))
+
+
+def paired_step_bootstrap(numerator: Sequence[float], denominator: Sequence[float], *,
+                          resamples: int = RESAMPLES, confidence: float = CONFIDENCE,
+                          seed: int = 0) -> Interval:
+    """median(numerator) / median(denominator) where element i of both is the same step (same
+    batch) of paired launches; each resample draws step indices once for both arms."""
+    num, den = _values("numerator", numerator), _values("denominator", denominator)
+    if num.size != den.size:
+        raise ValueError(f"paired samples differ in length: {num.size} vs {den.size}")
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(0, num.size, size=(resamples, num.size))
+    ratios = np.median(num[idx], axis=1) / np.median(den[idx], axis=1)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    return Interval(float(np.median(num) / np.median(den)), float(low), float(high))

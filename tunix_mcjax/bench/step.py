@@ -9,6 +9,9 @@ Arms (same model, tokenizer, reward, hyperparameters, batches and devices):
   single     our runtime, rl_runtime=single: one process drives all H x D devices
   mcjax      our colocated runtime on H hosts (the reference of every ratio)
   mcjax+opt  mcjax with O1-O4 on
+  mcjax_da   the disaggregated mode (rl_runtime=mcjax_da) at each trainer share of the paper
+             (50%, 25%, 12.5%: arms mcjax_da-t50, -t25, -t12.5) that the host count and batch
+             allow; compared with mcjax by the paper's rule (bench.da_compare, da_report.md)
 --ablation runs mcjax, mcjax+O1 .. mcjax+O4 and mcjax+opt, and reports each against mcjax.
 --balance runs mcjax, mcjax+O3 and mcjax+O3x (O3 plus rl_balance_by_expected_output) with
 output lengths that vary by prompt, reported like --ablation plus each arm's rollout imbalance
@@ -44,7 +47,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tunix_mcjax.bench import profiles, report, trace
+from tunix_mcjax.bench import da_compare, profiles, report, trace
 from tunix_mcjax.bench.equal_work import RunLog
 
 OPTIMIZATIONS = {
@@ -54,7 +57,7 @@ OPTIMIZATIONS = {
     "O4": "rl_publish_weights_single_call",
 }
 ALL_OPT = {key: True for key in OPTIMIZATIONS.values()}
-ARMS = ("tunix", "single", "mcjax", "mcjax+opt")
+ARMS = ("tunix", "single", "mcjax", "mcjax+opt", "mcjax_da")
 ABLATION = ("mcjax", *(f"mcjax+{o}" for o in OPTIMIZATIONS), "mcjax+opt")
 BALANCE = ("mcjax", "mcjax+O3", "mcjax+O3x")
 # Output lengths that differ by prompt and repeat across epochs (EOS honoured, greedy decoding),
@@ -84,6 +87,9 @@ class Run:
     def overrides(self) -> dict:
         if self.arm == "single":
             return {"rl_runtime": "single"}
+        if self.arm.startswith("mcjax_da"):
+            return {"rl_runtime": "mcjax_da",
+                    "rl_trainer_hosts_fraction": da_compare.split_fraction(self.arm)}
         if self.arm == "mcjax+opt":
             return ALL_OPT
         if self.arm == "mcjax+O3x":
@@ -106,13 +112,30 @@ class Run:
                 "--devices-per-host", str(per_host), str(recipe), *keys]
 
 
+def mcjax_da_arms(hosts: int, batch_size: int) -> tuple[list[str], dict[str, str]]:
+    """The mcjax_da arm: (the splits this host count and batch allow, {ruled-out split: why})."""
+    from tunix_mcjax.config import DA_SPLITS, ConfigError, load_config
+
+    allowed, ruled_out = [], {}
+    for fraction in DA_SPLITS:
+        cfg = load_config(None, {"rl_runtime": "mcjax_da", "batch_size": batch_size,
+                                 "rl_trainer_hosts_fraction": fraction})
+        try:
+            cfg.disaggregated_split(hosts)
+            allowed.append(da_compare.split_arm(fraction))
+        except ConfigError as e:
+            ruled_out[da_compare.split_arm(fraction)] = str(e).split(":")[0]
+    return allowed, ruled_out
+
+
 def plan(arms: list[str], hosts: list[int], devices_per_host: int, tunix_layouts: list[str],
-         launches: int) -> list[Run]:
+         launches: int, batch_size: int = 0) -> list[Run]:
     """Launch after launch, each running every arm once (round robin spreads machine load)."""
     runs = []
     for launch in range(launches):
         for h in hosts:
-            for arm in arms:
+            for arm in [a for name in arms for a in (
+                    mcjax_da_arms(h, batch_size)[0] if name == "mcjax_da" else [name])]:
                 layouts = [""] if arm != "tunix" else (
                     tunix_layouts if h * devices_per_host > 1 else ["one-device"])
                 runs += [Run(arm, h, devices_per_host, layout, launch, launches)
@@ -248,6 +271,17 @@ def traced_runs(arms: list[str], hosts: list[int], devices_per_host: int,
     return runs
 
 
+def write_da_report(arm_runs: list[report.ArmRun], first_scored: int, hosts: list[int],
+                    profile: profiles.Profile, out: Path) -> None:
+    """The mcjax_da arm's comparison with mcjax: da_report.json and da_report.md."""
+    ruled_out = {str(h): mcjax_da_arms(h, profile.batch_size)[1] for h in hosts}
+    comparison = da_compare.compare(arm_runs, first_scored, ruled_out)
+    (out / "da_report.json").write_text(json.dumps(comparison, indent=2) + "\n")
+    text = da_compare.markdown(comparison, profile.name)
+    (out / "da_report.md").write_text(text)
+    print(text)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -296,7 +330,8 @@ def main(argv: list[str] | None = None) -> None:
     first_scored = profiles.BATCHES
     steps = 2 * profiles.BATCHES
     recipe = out / "recipe.yml"
-    runs = plan(args.arms, args.hosts, args.devices_per_host, args.tunix_layouts, args.launches)
+    runs = plan(args.arms, args.hosts, args.devices_per_host, args.tunix_layouts, args.launches,
+                profile.batch_size)
     if not args.report_only:
         recipe = profiles.write_workload(profile, out)
         started = time.perf_counter()
@@ -330,6 +365,8 @@ def main(argv: list[str] | None = None) -> None:
     for path in report.write(rep, out):
         print(f"wrote {path}")
     print(report.markdown(rep))
+    if "mcjax_da" in args.arms:
+        write_da_report(arm_runs, first_scored, args.hosts, profile, out)
     if not rep["equal_work"]["ok"]:
         sys.exit("equal work FAILED: the ratios above do not count (see report.md)")
 

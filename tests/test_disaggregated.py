@@ -1,0 +1,128 @@
+"""rl_runtime=mcjax_da on a real local Ray cluster (one per module): trainer actors in one
+jax.distributed group, rollout actors with their own engines, weights through the object store.
+
+The driver runs in the test process (`disaggregated.training_steps` yields each applied step),
+so a test can kill an actor's process between steps, as a crash would.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+import ray
+
+from tests.mp import REPO, TINY, read_jsonl
+from tunix_mcjax.config import ConfigError, load_config
+from tunix_mcjax.runtime import disaggregated
+from tunix_mcjax.runtime.disaggregated import Cluster, training_steps
+from tunix_mcjax.runtime.ray_cluster import ActorFailed
+
+SMALL = [*TINY, "batch_size=4", "num_generations=4", "rl_runtime=mcjax_da"]
+DEAD_ACTOR_BUDGET_S = 60
+
+
+@pytest.fixture(scope="module", autouse=True)
+def local_ray():
+    ray.init(num_cpus=4, object_store_memory=256 << 20, include_dashboard=False,
+             configure_logging=False)
+    yield
+    ray.shutdown()
+
+
+def config(tmp_path, *overrides, recipe=None):
+    return load_config(recipe, [*SMALL, f"base_output_directory={tmp_path}", *overrides])
+
+
+def kill_process(actor) -> None:
+    os.kill(ray.get(actor.pid.remote(), timeout=60), signal.SIGKILL)
+
+
+def test_two_trainers_one_group_staleness_one_and_one_put_per_publish(tmp_path):
+    """4 hosts at 0.5: two trainer processes in one jax.distributed group, two rollouts; then a
+    killed trainer (not the leader, whose peer then waits in a collective) ends the run."""
+    cfg = config(tmp_path, "steps=8")
+    cluster = Cluster.start(cfg, hosts=4, devices_per_host=1)
+    try:
+        steps = training_steps(cfg, cluster)
+        records = [next(steps) for _ in range(4)]
+        for r in records:
+            t = r["step"]
+            assert r["trainer_processes"] == 2 and r["trained_on"] == t
+            # Batch t was generated with v_{t-1} (batch 0, the pipeline fill, with v0) and
+            # applied to v_t: exactly one step stale from step 1 on.
+            assert r["batch_versions"] == [max(t - 1, 0)] * 2
+            assert r["staleness"] == ([0, 0] if t == 0 else [1, 1])
+            # One ray.put per publish: v0 and one per update so far, by the leader only.
+            assert r["puts"] == t + 2
+            # Both rollout actors fetched the same object for their version.
+            assert len(set(r["weights_objects"])) == 1
+            assert len(r["prompt_indices"]) == cfg.batch_size
+        objects = [r["weights_objects"][0] for r in records]
+        assert objects[0] == objects[1] and len(set(objects[1:])) == 3  # v0, v0, v1, v2
+        kill_process(cluster.trainers[1])
+        t0 = time.monotonic()
+        with pytest.raises(ActorFailed, match="trainer-1: its process died"):
+            for _ in steps:
+                pass
+        assert time.monotonic() - t0 < DEAD_ACTOR_BUDGET_S
+    finally:
+        cluster.close()
+
+
+def test_demo_on_half_the_hosts_learns_in_ten_steps(tmp_path):
+    cfg = load_config(REPO / "recipes/cpu/demo.yml", [
+        "rl_runtime=mcjax_da", "rl_trainer_hosts_fraction=0.5", "steps=10",
+        f"base_output_directory={tmp_path}"])
+    summary = disaggregated.run(cfg, hosts=2, devices_per_host=2)
+    reward = [r["reward_mean"] for r in read_jsonl(tmp_path / "demo" / "steps.jsonl")]
+    print("reward by step:", np.round(reward, 3).tolist())
+    assert summary["steps"] == 10 and summary["trainer_hosts"] == summary["rollout_hosts"] == 1
+    assert np.mean(reward[-3:]) > np.mean(reward[:3])
+    assert np.polyfit(np.arange(10), reward, 1)[0] > 0
+
+
+def test_dead_rollout_restarted_once_then_ends_the_run_within_60s(tmp_path):
+    """rl_rollout_restarts=1: a killed rollout actor is replaced and its batch regenerated with
+    the same version; killed again, restarts are spent and the run ends, naming it."""
+    cfg = config(tmp_path, "steps=8", "rl_rollout_restarts=1")
+    cluster = Cluster.start(cfg, hosts=2, devices_per_host=1)
+    try:
+        steps = training_steps(cfg, cluster)
+        records = [next(steps)]
+        kill_process(cluster.rollouts[0])
+        records += [next(steps) for _ in range(3)]
+        assert [r["step"] for r in records] == [0, 1, 2, 3]
+        assert records[-1]["rollout_restarts"] == 1
+        assert [r["staleness"] for r in records[1:]] == [[1]] * 3
+        assert [r["batch_versions"] for r in records] == [[0], [0], [1], [2]]
+        kill_process(cluster.rollouts[0])
+        t0 = time.monotonic()
+        with pytest.raises(ActorFailed, match="rollout-0: its process died") as failed:
+            for _ in steps:
+                pass
+        assert time.monotonic() - t0 < DEAD_ACTOR_BUDGET_S
+        assert failed.value.died
+    finally:
+        cluster.close()
+
+
+@pytest.mark.parametrize(("overrides", "hosts", "message"), [
+    (["rl_trainer_hosts_fraction=0.3"], 2, "not one of the paper's splits"),
+    (["rl_trainer_hosts_fraction=0.25"], 2, "0.5 trainer hosts"),
+    (["rl_trainer_hosts_fraction=0.125", "batch_size=4"], 8, "without a prompt"),
+    (["rl_trainer_hosts_fraction=0.25", "rl_balance_prompts_by_length=true"], 4,
+     "does not divide by the 3 rollout"),
+    (["enable_checkpointing=true"], 2, "cannot honour enable_checkpointing"),
+])
+def test_bad_splits_and_unsupported_keys_are_refused(tmp_path, overrides, hosts, message):
+    with pytest.raises(ConfigError, match=message):
+        config(tmp_path, *overrides).validate_topology(hosts, 1)
+
+
+def test_da_keys_need_the_da_runtime():
+    with pytest.raises(ConfigError, match="configure rl_runtime=mcjax_da"):
+        load_config(None, ["rl_rollout_restarts=2"])

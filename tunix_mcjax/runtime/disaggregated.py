@@ -1,0 +1,217 @@
+"""LoCoJAX-DA: trainer hosts and rollout hosts apart, on Ray, one step stale (paper §2, §4.4).
+
+The driver (this process; `python -m tunix_mcjax.launch ... rl_runtime=mcjax_da`) starts a
+local Ray cluster, H x rl_trainer_hosts_fraction trainer actors (one jax.distributed group, the
+colocated mode's FSDP train step) and the rest as rollout actors (one engine each). Schedule:
+
+    publish v0; rollout batch 0 with v0
+    step t: trainers apply batch t to v_t (-> v_t+1, published)  ||  rollouts make batch t+1
+            with v_t, the last published version
+
+so batch t+1 is generated with v_t and applied to v_t+1: staleness is exactly one step from
+step 1 on (batch 0, the pipeline fill, is on-policy). Each batch carries its version and the
+trainer weights it by the engine's behaviour logprobs (off-policy loss). The step period is
+Eq. 4's max(rollout + weight load, train + publish).
+
+Faults: a dead trainer actor ends the run at once, named; a dead rollout actor too, unless
+`rl_rollout_restarts` allows a new one, which regenerates the lost batch with the same version
+and seed. A step's update is recorded only once every trainer finished it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import statistics
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import ray
+
+from tunix_mcjax import launch, metrics
+from tunix_mcjax.config import Config
+from tunix_mcjax.runtime import ray_cluster
+from tunix_mcjax.runtime.ray_actors import RolloutWorker, TrainerWorker
+from tunix_mcjax.runtime.recovery import NonFinitePolicy
+
+DA_FIELDS = ("trained_on", "batch_versions", "trainer_processes", "puts",
+             "rows_per_device", "weight_load_s", "rollout_restarts", "loss", "grad_norm", "kl",
+             "kl_loss", "finite", "nonfinite_steps")
+
+
+@dataclasses.dataclass
+class Cluster:
+    """The run's actors and what the driver knows about them."""
+
+    cfg: Config
+    devices_per_host: int
+    trainers: list
+    rollouts: list
+    restarts: list[int] = dataclasses.field(default_factory=list)  # per rollout actor
+
+    @classmethod
+    def start(cls, cfg: Config, hosts: int, devices_per_host: int) -> Cluster:
+        num_trainers, num_rollouts = cfg.disaggregated_split(hosts)
+        port = launch.free_port()
+        trainers = [ray_cluster.spawn(TrainerWorker, ray_cluster.actor_env(
+            devices_per_host, rank, num_trainers, port), cfg, rank)
+            for rank in range(num_trainers)]
+        cluster = cls(cfg, devices_per_host, trainers, [])
+        cluster.rollouts = [cluster._rollout(r, num_rollouts) for r in range(num_rollouts)]
+        cluster.restarts = [0] * num_rollouts
+        return cluster
+
+    def _rollout(self, index: int, num_rollouts: int):
+        env = ray_cluster.actor_env(self.devices_per_host)
+        return ray_cluster.spawn(RolloutWorker, env, self.cfg, index, num_rollouts)
+
+    def close(self) -> None:
+        ray_cluster.kill(self.trainers + self.rollouts)
+
+    def wait(self, calls: dict, what: str, compiles: bool) -> dict:
+        cfg = self.cfg
+        timeout = cfg.compile_timeout_s if compiles else cfg.collective_timeout_s
+        return ray_cluster.wait_all(calls, timeout, what)
+
+    def publish_first(self) -> dict:
+        out = self.wait({f"trainer-{r}": t.publish.remote() for r, t in enumerate(self.trainers)},
+                        "publish", compiles=True)
+        return out["trainer-0"]
+
+    def generate(self, step: int, version: int, weights: list, only: int | None = None
+                 ) -> dict[int, tuple]:
+        """{rollout: (batch ref, record ref)} of step `step` with policy `version`."""
+        return {r: a.generate.options(num_returns=2).remote(step, version, weights)
+                for r, a in enumerate(self.rollouts) if only in (None, r)}
+
+    def collect(self, step: int, pending: dict[int, tuple], version: int, weights: list
+                ) -> tuple[list, list[dict]]:
+        """(batch refs, records) of step `step`; a dead rollout actor is replaced while restarts
+        last, and its batch regenerated with the same version and seed."""
+        while True:
+            try:
+                records = self.wait({f"rollout-{r}": refs[1] for r, refs in pending.items()},
+                                    f"generate step {step}", compiles=step <= 1)
+                return [pending[r][0] for r in sorted(pending)], [
+                    records[f"rollout-{r}"] for r in sorted(pending)]
+            except ray_cluster.ActorFailed as e:
+                index = int(e.name.removeprefix("rollout-")) if e.name.startswith(
+                    "rollout-") and "," not in e.name else None
+                if not e.died or index is None or \
+                        self.restarts[index] >= self.cfg.rl_rollout_restarts:
+                    raise
+                self.restarts[index] += 1
+                print(f"mcjax_da: {e}; restarting it ({self.restarts[index]} of "
+                      f"rl_rollout_restarts={self.cfg.rl_rollout_restarts}) to regenerate step "
+                      f"{step}", flush=True)
+                ray_cluster.kill([self.rollouts[index]])
+                self.rollouts[index] = self._rollout(index, len(self.rollouts))
+                pending.update(self.generate(step, version, weights, only=index))
+
+    def train(self, step: int, batches: list) -> dict:
+        """Starts update `step` on every trainer (trainer r gets its contiguous share of the
+        batches); `finish_train` waits for it."""
+        share = len(batches) // len(self.trainers)
+        return {f"trainer-{r}": t.train.remote(step, *batches[r * share:(r + 1) * share])
+                for r, t in enumerate(self.trainers)}
+
+    def finish_train(self, step: int, calls: dict) -> dict:
+        """The leader's result with every trainer's batch versions, once all applied the
+        update."""
+        out = self.wait(calls, f"train step {step}", compiles=step <= 1)
+        versions = [v for r in range(len(self.trainers)) for v in out[f"trainer-{r}"][
+            "batch_versions"]]
+        return {**out["trainer-0"], "batch_versions": versions}
+
+
+def training_steps(cfg: Config, cluster: Cluster) -> Iterator[dict]:
+    """The one-step-stale schedule; yields each step's global record once it is applied."""
+    published = cluster.publish_first()
+    version, weights = published["version"], published["weights"]  # the last published
+    behaviour = (version, weights)  # the version the pending batch is generated with
+    pending = cluster.generate(0, *behaviour)
+    nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps)
+    for step in range(cfg.steps):
+        start = time.perf_counter()
+        batches, rollouts = cluster.collect(step, pending, *behaviour)
+        training = cluster.train(step, batches)  # update t: v_t -> v_t+1 ...
+        if step + 1 < cfg.steps:  # ... while the rollouts generate batch t+1 with v_t
+            behaviour = (version, weights)
+            pending = cluster.generate(step + 1, *behaviour)
+        train = cluster.finish_train(step, training)
+        nonfinite.applied(step, train, "checkpointing is off under rl_runtime=mcjax_da")
+        version, weights = train["version"], train["weights"]
+        yield step_record(step, rollouts, train, sum(cluster.restarts), nonfinite.count,
+                          time.perf_counter() - start)
+
+
+def step_record(step: int, rollouts: list[dict], train: dict, restarts: int,
+                nonfinite_steps: int, wall_s: float) -> dict:
+    """The colocated mode's global step record (rollout hosts as its hosts, the trainer's pack,
+    train and publish phases), plus the versions and objects behind the step."""
+    per_host = np.stack([metrics.host_vector({**r, **{k: train[k] for k in (
+        "pack_s", "train_s", "publish_s")}}) for r in rollouts])
+    rec = metrics.global_record(step, per_host, rollouts[0]["global_prompt_indices"])
+    rec.update(
+        step_s=wall_s, compiled=bool(rec["compiled"] or train["compiled"]),
+        staleness=[train["trained_on"] - v for v in train["batch_versions"]],
+        weights_objects=[r["weights_object"] for r in rollouts],
+        weight_load_s=max(r["load_s"] for r in rollouts), rollout_restarts=restarts,
+        nonfinite_steps=nonfinite_steps,
+        **{k: train[k] for k in DA_FIELDS if k in train})
+    return rec
+
+
+def run(cfg: Config, hosts: int, devices_per_host: int) -> dict:
+    """The whole run from this driver; writes steps.jsonl and summary.json, returns the summary.
+    Raises `ray_cluster.ActorFailed` naming the actor that ended it."""
+    started = ray_cluster.start_local(hosts, cfg.rl_ray_object_store_mb)
+    records: list[dict] = []
+    log = metrics.JsonlSink(cfg.run_dir / "steps.jsonl")
+    tensorboard = metrics.TensorBoard(cfg.run_dir / "tensorboard", cfg.log_period) \
+        if cfg.enable_tensorboard else None
+    cluster = Cluster.start(cfg, hosts, devices_per_host)
+    try:
+        for rec in training_steps(cfg, cluster):
+            records.append(rec)
+            log(rec)
+            if tensorboard is not None:
+                tensorboard.write(rec)
+            if rec["step"] % cfg.log_period == 0:
+                print(metrics.progress_line(rec) + f" | staleness {rec['staleness']}",
+                      flush=True)
+    finally:
+        cluster.close()
+        log.close()
+        if tensorboard is not None:
+            tensorboard.close()
+        if started:
+            ray.shutdown()
+    return write_summary(cfg, records, hosts, devices_per_host)
+
+
+def write_summary(cfg: Config, records: list[dict], hosts: int, devices_per_host: int) -> dict:
+    steady = [r for r in records if not r["compiled"]] or records
+    trainers, rollouts = cfg.disaggregated_split(hosts)
+
+    def mean(key: str, part: list[dict]) -> float:
+        return float(np.mean([r[key] for r in part]))
+
+    summary = {
+        "run_name": cfg.run_name, "runtime": "mcjax_da", "hosts": hosts,
+        "trainer_hosts": trainers, "rollout_hosts": rollouts,
+        "devices_per_host": devices_per_host, "steps": len(records),
+        "accuracy_first10": mean("accuracy", records[:10]),
+        "accuracy_last10": mean("accuracy", records[-10:]),
+        "reward_first10": mean("reward_mean", records[:10]),
+        "reward_last10": mean("reward_mean", records[-10:]),
+        "median_step_s": statistics.median(r["step_s"] for r in steady),
+        "phase_median_s": {p: statistics.median(r["phase_s"][p] for r in steady)
+                           for p in metrics.PHASES},
+        "tokens_generated": int(sum(r["tokens_generated"] for r in records)),
+        "compiled_steps": int(sum(r["compiled"] for r in records)),
+        "rollout_restarts": records[-1]["rollout_restarts"],
+    }
+    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -1,0 +1,150 @@
+"""The two kinds of actor of the disaggregated mode, each one JAX process of its own, each
+running the shared phases (`runtime.phases`) of its side of the step.
+
+- `RolloutWorker`: one rollout host. Its own engine on its own devices (no jax.distributed);
+  `RolloutPhases.rollout` (admit, generate, score) on its share of the step's prompts, with the
+  policy version it last loaded, which the `Rollout` carries.
+- `TrainerWorker`: one trainer host, one process of the trainers' jax.distributed group:
+  `phases.pack` (rows per device agreed in the trainers' exchange) and `TrainPhase` (the
+  colocated mode's FSDP update, off-policy against the engine's behaviour logprobs), then the
+  publish: the leader `ray.put`s one host copy of the new weights, once per version; every
+  rollout actor fetches that one object.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import jax
+import numpy as np
+import ray
+from jax.sharding import NamedSharding, PartitionSpec
+
+from tunix_mcjax import metrics, models, topology
+from tunix_mcjax.config import Config
+from tunix_mcjax.publish import _nest
+from tunix_mcjax.runtime import components, phases
+from tunix_mcjax.runtime.colocated import freeze_gc
+from tunix_mcjax.runtime.records import HostRecord, Rollout
+from tunix_mcjax.runtime.stepmath import LengthHistory
+from tunix_mcjax.tasks import load_task
+from tunix_mcjax.tokenizer import load_tokenizer
+from tunix_mcjax.trainer import Trainer
+
+
+def host_copy(tree: Any) -> Any:
+    """numpy copies of a tree of arrays replicated over this process's devices."""
+    def one(x: jax.Array) -> np.ndarray:
+        return np.asarray(next(s.data for s in x.addressable_shards if s.data.shape == x.shape))
+    return jax.tree.map(one, tree)
+
+
+class RolloutWorker:
+    """One rollout host: the rollout phases on its own engine, one step stale."""
+
+    def __init__(self, cfg: Config, index: int, num_rollouts: int):
+        self.cfg, self.index = cfg, index
+        tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
+        prompts = phases.Prompts.load(cfg, tokenizer, load_task(cfg), index)
+        self.engine = phases.default_engine(
+            cfg, models.model_config(cfg, len(tokenizer), for_sampling=True),
+            list(jax.local_devices()), prompts.pad_id, prompts.eos_ids)
+        self.phases = phases.RolloutPhases(cfg, prompts, self.engine, num_rollouts, index)
+        self.history = LengthHistory(len(prompts.tokens))  # stays empty: O3x is colocated-only
+        self.version, self.weights_object = -1, ""
+
+    def __repr__(self) -> str:  # Ray prefixes the actor's log lines with it
+        return f"rollout-{self.index}"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def _load(self, version: int, weights: list[ray.ObjectRef]) -> None:
+        """Fetches version `version` from the object store once (a no-op when it is loaded)."""
+        if version == self.version:
+            return
+        tree = ray.get(weights[0], timeout=self.cfg.collective_timeout_s)
+        if self.cfg.rl_publish_weights_single_call:
+            self.engine.load_weights(tree)
+        else:
+            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+                self.engine.load_weights(_nest(path, leaf))
+        self.version, self.weights_object = version, weights[0].hex()
+
+    def generate(self, step: int, version: int, weights: list[ray.ObjectRef]
+                 ) -> tuple[Rollout, dict]:
+        """(rollout for the trainer, host record) of this host's share of step `step`,
+        generated with policy `version` (`weights`: its object, in a list so that Ray does not
+        fetch it for a version already loaded)."""
+        timer, programs = metrics.PhaseTimer(), self.engine.compile_count
+        with timer.phase("load"):
+            self._load(version, weights)
+        rollout = self.phases.rollout(step, version, self.history, timer)
+        if step == 0 and self.cfg.rl_gc_freeze_after_warmup:
+            freeze_gc()
+        record = HostRecord.of(rollout, self.index, timer.total(), timer.seconds, {},
+                               compiled=self.engine.compile_count > programs, rows_per_device=0,
+                               train_compiled=False).to_json()
+        return rollout, {**record, "load_s": timer.seconds["load"],
+                         "weights_object": self.weights_object}
+
+
+class TrainerWorker:
+    """One process of the trainers' jax.distributed group: pack, train, publish."""
+
+    def __init__(self, cfg: Config, rank: int):
+        self.cfg, self.rank = cfg, rank
+        self.topo = topology.initialize_from_env()
+        self.watchdog = topology.Watchdog(self.topo.host, cfg.collective_timeout_s,
+                                          cfg.compile_timeout_s)
+        parts, prompts = components.build(cfg, self.topo, None, self.watchdog)
+        self.pad_id = prompts.pad_id
+        with self.watchdog.guard("build", compiles=True):
+            self.trainer = Trainer(cfg, parts.policy, parts.params, parts.mesh, off_policy=True)
+        self.train_phase = phases.TrainPhase(self.trainer, self.watchdog, cfg.num_iterations)
+        self.mesh = parts.mesh
+        self._replicate = jax.jit(lambda t: t,
+                                  out_shardings=NamedSharding(self.mesh, PartitionSpec()))
+        self.version, self.puts = 0, 0
+
+    def __repr__(self) -> str:
+        return f"trainer-{self.rank}"
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def publish(self) -> dict:
+        """Phase 6: every trainer joins the gather of the full weights; the leader puts one host
+        copy into the object store. {"version", "weights": [ref] (leader) or None, ...}."""
+        t0 = time.perf_counter()
+        params = self.trainer.engine_params()
+        with self.watchdog.guard("publish", compiles=self.version == 0):
+            if not self.trainer.engine_params_gathered:
+                with jax.set_mesh(self.mesh):
+                    params = jax.block_until_ready(self._replicate(params))
+            weights = None
+            if self.topo.is_leader:
+                weights = [ray.put(host_copy(params))]
+                self.puts += 1
+        return {"version": self.version, "weights": weights, "puts": self.puts,
+                "publish_s": time.perf_counter() - t0}
+
+    def train(self, step: int, *rollouts: Rollout) -> dict:
+        """Update `step` (version v -> v+1) on this trainer's rollouts, then publish v+1."""
+        timer, local_devices = metrics.PhaseTimer(), len(self.topo.local_devices)
+        with timer.phase("pack"):
+            local, everyone = phases.pack(self.cfg, [s for r in rollouts for s in r.sequences()],
+                                          self.pad_id, local_devices, self.watchdog)
+        k = everyone.rows_per_device(local_devices)
+        with timer.phase("train"):
+            result = self.train_phase(local, k)
+        trained_on, self.version = self.version, self.version + 1
+        if step == 0 and self.cfg.rl_gc_freeze_after_warmup:
+            freeze_gc()
+        return {**result.metrics, **self.publish(), "trained_on": trained_on,
+                "batch_versions": [r.policy_version for r in rollouts],
+                "trainer_processes": self.topo.num_hosts, "rows_per_device": k,
+                "pack_s": timer.seconds["pack"], "train_s": timer.seconds["train"],
+                "compiled": int(result.compiled)}
