@@ -266,3 +266,29 @@ def test_local_hosts_env_is_checked(monkeypatch):
         tunix.local_topology()
     monkeypatch.setenv(tunix.HOSTS_ENV, "2")
     assert tunix.local_topology() == (2, 1)
+
+
+def test_refusal_stops_grpo_main_before_any_host_starts(cpu_argv, tmp_path):
+    res = subprocess.run(
+        [sys.executable, "-m", "tunix.cli.grpo_main", *cpu_argv[1:], "rollout_engine=vllm"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=300,
+        env={**os.environ, "PYTHONPATH": str(REPO), "TUNIX_MCJAX_HOSTS": "2"})
+    assert res.returncode == 2, res.stdout[-3000:] + res.stderr[-3000:]
+    assert "config error: rl_runtime=mcjax cannot honour" in res.stderr
+    assert "rollout_engine='vllm'" in res.stderr and "[host 0]" not in res.stdout
+
+
+def test_model_keys_from_tunix_names_or_config_json(tmp_path):
+    from tunix_mcjax.tunix import model
+
+    named = model.model_keys({"model_name": "qwen3-1.7b-base"}, str(tmp_path))
+    assert named["model_name"] == "qwen3-1.7b" and named["load_parameters_path"] == str(tmp_path)
+    with pytest.raises(ConfigError, match="not a model Tunix names"):
+        model.model_keys({"model_name": "qwen3-tiny"}, str(tmp_path))
+    with pytest.raises(ConfigError, match="Qwen3 models"):
+        model.model_keys({"model_name": "llama-3.1-8b"}, str(tmp_path))
+    (tmp_path / "config.json").write_text(json.dumps(make_checkpoint.hf_config()))
+    tiny = model.model_keys({"model_name": "qwen3-tiny"}, str(tmp_path))
+    assert (tiny["base_num_decoder_layers"], tiny["head_dim"]) == (2, 16)
+    with pytest.raises(ConfigError, match="model_source=huggingface"):
+        model.checkpoint_dir({"model_source": "kaggle"})

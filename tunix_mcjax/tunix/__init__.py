@@ -153,6 +153,11 @@ def run(argv: Sequence[str], kwargs: dict, topo: topology.Topology) -> dict | No
         print(f"rl_runtime=mcjax: {cfg.model_name}, {cfg.steps} steps of {cfg.batch_size} "
               f"prompts x {cfg.num_generations} generations, run dir {cfg.run_dir}", flush=True)
         _log_not_applied(prep.not_applied)
+        left = len(prep.stream) - cfg.steps * cfg.batch_size
+        if 0 < left < cfg.batch_size:
+            print(f"rl_runtime=mcjax: the last {left} train rows make a partial batch, which "
+                  "Tunix would train as a smaller one; every step here trains batch_size "
+                  "prompts, so they are left out", flush=True)
     summary = ColocatedRuntime(prep.cfg, topo, components=lambda: build_components(prep, topo)
                                ).run()
     write_facts(prep, topo)
