@@ -72,8 +72,7 @@ def run(tmp_path_factory, checkpoint) -> tuple[subprocess.CompletedProcess, Path
     log_dir, ckpt_dir = tmp / "tensorboard", tmp / "checkpoints"
     res = subprocess.run(
         ["bash", str(CPU_RECIPE), f"rl_training_config.metrics_logging_options.log_dir={log_dir}",
-         f"rl_training_config.checkpoint_root_directory={ckpt_dir}",
-         "actor_model_config.lora_config=null"],  # until LoRA lands
+         f"rl_training_config.checkpoint_root_directory={ckpt_dir}"],
         cwd=tmp, capture_output=True, text=True, timeout=600,
         env={**os.environ, "PYTHON": sys.executable, "PYTHONPATH": str(REPO),
              "model_dir": str(checkpoint), "HF_DATASETS_CACHE": str(tmp / "hf")})
@@ -112,7 +111,12 @@ def test_grpo_main_runs_run_qwen3_on_mcjax_two_hosts(run):
         assert (cfg["max_prefill_predict_length"], cfg["max_target_length"]) == (128, 144)
         assert cfg["grpo_beta"] == pytest.approx(0.08) and cfg["remat_policy"] == "full"
         assert "rl_training_config.actor_optimizer_config.max_grad_norm" in facts["not_applied"]
-    assert (ckpt_dir / "2").is_dir()  # checkpoint_root_directory, after the last step
+        assert (cfg["lora_rank"], cfg["lora_alpha"]) == (64, 64.0)
+    # checkpoint_root_directory, after the last step. LoRA on: the trained params are the
+    # adapters of all 7 projections (the recipe's module_path) of both layers, nothing else.
+    meta = json.loads((ckpt_dir / "2" / "default" / "_METADATA").read_text())
+    params = [k for k in meta["tree_metadata"] if k.startswith("('params'")]
+    assert len(params) == 2 * 7 * 2 and all("_lora_a'" in k or "_lora_b'" in k for k in params)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 
@@ -147,7 +151,6 @@ def test_cpu_recipe_maps_onto_config(cpu_argv, checkpoint):
     from tunix_mcjax.tunix import model
 
     config = config_map.plain(pipeline(cpu_argv).config)
-    config["actor_model_config"]["lora_config"] = {}
     not_applied = config_map.check(config)
     keys = model.model_keys(config["actor_model_config"], str(checkpoint))
     cfg = config_map.to_config(config, keys, steps=3)
@@ -159,6 +162,9 @@ def test_cpu_recipe_maps_onto_config(cpu_argv, checkpoint):
     assert (cfg.eval_interval, cfg.eval_schedule, cfg.num_test_batches) == (10, "tunix", 1)
     assert (cfg.log_period, cfg.checkpoint_period, cfg.max_num_checkpoints_to_keep) == (20, 500, 4)
     assert cfg.seed == cfg.init_weights_seed == 42
+    assert (cfg.lora_rank, cfg.lora_alpha) == (64, 64.0)
+    assert cfg.lora_module_path == ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj" \
+        "|.*up_proj"
     assert str(cfg.run_dir) == "/tmp/tensorboard/qwen3-tiny"
     assert str(cfg.checkpoint_dir) == cfg.checkpoint_directory and cfg.enable_checkpointing
     # Tunix's CLI never reads these; they are listed, with why.

@@ -289,9 +289,6 @@ def _check_roles(config: Mapping[str, Any]) -> list[str]:
         refused.append(f"  actor_model_config.lora_config.{key}={lora[key]!r}: QLoRA "
                        "(weight_qtype, tile_size) is not implemented; use rank, alpha, "
                        "module_path")
-    if lora:
-        refused.append(f"  actor_model_config.lora_config={lora!r}: LoRA is not available in "
-                       "this build yet; drop lora_config")
     return refused
 
 
