@@ -12,6 +12,7 @@ import types
 from pathlib import Path
 
 import numpy as np
+import pyarrow.parquet as pq
 import pytest
 
 from tests.mp import REPO, read_jsonl
@@ -235,6 +236,13 @@ def test_steps_admit_tunix_batches_and_prompts_encode_as_tunix_sampler(cpu_argv,
     fns = data.reward_functions(tunix)
     assert [f.__name__ for f in fns] == ["check_answer", "check_numbers",
                                          "match_format_approximately", "match_format_exactly"]
+    # data_source=local: Tunix's parquet reader gives an iterable, made a dataset here.
+    local = pipeline(cpu_argv, "data_source=local",
+                     f"data_directory={REPO}/recipes/maxtext/cpu/gsm8k_tiny.parquet")
+    stream_local, _, steps_local = data.split_rows(local, tokenizer)
+    assert steps_local == 3 and len(stream_local) == 51
+    questions = pq.read_table(REPO / "recipes/maxtext/cpu/gsm8k_tiny.parquet")["question"]
+    assert [r["question"] for r in stream_local] == questions.to_pylist()[:51]  # not shuffled
     good = "<reasoning>2+3</reasoning><answer>5</answer>"
     assert data.answer_correct(["p"] * 2, [good, "5"], answer=["5", "5"]) == [1.0, 0.0]
 

@@ -35,7 +35,11 @@ def main(argv: Sequence[str], kwargs: dict | None = None) -> None:
 
     argv, kwargs = list(argv), dict(kwargs or {})
     logs.quiet_library_logs()
-    local = local_topology()
+    try:
+        local = local_topology()
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
     if local is not None and "TUNIX_MCJAX_COORDINATOR" not in os.environ:
         sys.exit(launch_local(argv, kwargs, *local))
     topo = topology.initialize_from_env()
