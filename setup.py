@@ -52,5 +52,6 @@ setup(
     entry_points={
         "console_scripts": ["tunix-mcjax=tunix_mcjax.launch:main"],
         "maxtext.rl_runtimes": ["mcjax = tunix_mcjax.maxtext:main"],
+        "tunix.rl_runtimes": ["mcjax = tunix_mcjax.tunix:main"],
     },
 )

@@ -211,6 +211,17 @@ class Config:
     rl_ray_object_store_mb: int = 512
     # --- end disaggregated mode ---
 
+    # --- Tunix adapter (tunix_mcjax/tunix: Tunix's grpo_main under rl_runtime=mcjax) ---
+    # Where checkpoints are saved and resumed from; "": <run dir>/checkpoints. Tunix's
+    # rl_training_config.checkpoint_root_directory.
+    checkpoint_directory: str = ""
+    # When evaluations run (num_test_batches > 0). maxtext: before training, after every
+    # eval_interval steps and after the last step (MaxText's RL trainer). tunix: Tunix's RL
+    # learner, before each step whose count of finished steps divides by eval_interval (its
+    # eval_every_n_steps), so before training and never after the last step.
+    eval_schedule: str = "maxtext"
+    # --- end Tunix adapter ---
+
     # Derived sizes.
     @property
     def max_completion_length(self) -> int:
@@ -227,6 +238,8 @@ class Config:
 
     @property
     def checkpoint_dir(self) -> epath.Path:
+        if self.checkpoint_directory:
+            return epath.Path(self.checkpoint_directory)
         return self.run_dir / "checkpoints"
 
     def replace(self, **changes: Any) -> Config:
@@ -293,6 +306,7 @@ RUNTIME_ONLY_KEYS = frozenset({
     "fsdp_gather_params_once", "num_test_batches", "eval_interval", "profiler",
     "skip_first_n_steps_for_profiler", "profiler_steps", "enable_tensorboard",
     "rl_rollout_restarts", "rl_ray_object_store_mb",
+    "checkpoint_directory", "eval_schedule",
 })
 
 
@@ -330,6 +344,7 @@ _CHOICES = {
     "fsdp_gather_params_once": ("auto", "true", "false"),
     "remat_policy": ("none", "full"),
     "profiler": ("", "xplane"),
+    "eval_schedule": ("maxtext", "tunix"),
 }
 # String keys that also take a YAML boolean (true/false), read as "true"/"false".
 _BOOL_OR_CHOICE = ("fsdp_gather_params_once",)
@@ -591,6 +606,9 @@ def _validate_recipe_keys(cfg: Config) -> None:
     if cfg.num_test_batches < 0:
         raise ConfigError(f"num_test_batches must be >= 0 (0: no evaluation), got "
                           f"{cfg.num_test_batches}")
+    if cfg.eval_schedule == "tunix" and cfg.num_test_batches > 0 and cfg.eval_interval <= 0:
+        raise ConfigError(f"eval_schedule=tunix evaluates every eval_interval steps (Tunix's "
+                          f"eval_every_n_steps), which must be >= 1; got {cfg.eval_interval}")
     if cfg.profiler:
         if cfg.skip_first_n_steps_for_profiler < 0 or cfg.profiler_steps < 1:
             raise ConfigError(

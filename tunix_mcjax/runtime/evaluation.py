@@ -1,7 +1,8 @@
 """Evaluation during a run, on MaxText's schedule, aggregated over all hosts.
 
 MaxText's RL trainer evaluates before training, every `eval_interval` steps (after the step
-whose count of finished steps divides by it) and after training, when `num_test_batches > 0`.
+whose count of finished steps divides by it) and after training, when `num_test_batches > 0`;
+with `eval_schedule=tunix`, as Tunix's learner: at every such count, 0 included, but the last.
 Here each host scores its own share of the evaluation prompts on its own engine (an
 `Evaluator`, e.g. the MaxText adapter's, which scores with MaxText's `evaluate_rl`), and one
 tiny all-gather sums the hosts' counts into the global result every host then holds.
@@ -67,8 +68,11 @@ class EvalSchedule:
         self._compiled = False
 
     def before_training(self, engine: Engine, start_step: int) -> None:
-        """MaxText's pre-training evaluation (also on resume); kept for the first step's record."""
-        if self.evaluator is not None:
+        """MaxText's pre-training evaluation (also on resume); kept for the first step's record.
+        eval_schedule=tunix: only when the finished steps divide by eval_interval (Tunix's)."""
+        tunix_skips = (self.cfg.eval_schedule == "tunix"
+                       and start_step % max(self.cfg.eval_interval, 1) != 0)
+        if self.evaluator is not None and not tunix_skips:
             self._pending["pre"] = self.evaluate(engine, start_step)
 
     def after_step(self, step: int, engine: Engine) -> dict[str, Any]:
@@ -78,9 +82,11 @@ class EvalSchedule:
             return {}
         done = step + 1
         interval = self.cfg.eval_interval
-        if interval > 0 and done % interval == 0:
+        # eval_schedule=tunix: Tunix's learner evaluates before a step, so not after the last.
+        after_last = self.cfg.eval_schedule == "maxtext"
+        if interval > 0 and done % interval == 0 and (done < self.cfg.steps or after_last):
             self._pending["intermediate"] = self.evaluate(engine, done)
-        if done == self.cfg.steps:
+        if done == self.cfg.steps and after_last:
             self._pending["post"] = self.evaluate(engine, done)
         out, self._pending = ({"eval": self._pending} if self._pending else {}), {}
         return out

@@ -1,0 +1,37 @@
+"""Start H local processes of Tunix's GRPO CLI under rl_runtime=mcjax (CPU/dev).
+
+`python -m tunix_mcjax.tunix.launch --hosts 2 --devices-per-host 1 BASE_CONFIG key=value ...`
+runs `python -m tunix.cli.grpo_main BASE_CONFIG key=value ... rl_runtime=mcjax` as H real JAX
+processes (see `tunix_mcjax.launch`). The same as `TUNIX_MCJAX_HOSTS=H
+TUNIX_MCJAX_DEVICES_PER_HOST=D python -m tunix.cli.grpo_main ... rl_runtime=mcjax`, which is what
+recipes/tunix/cpu/run_qwen3.sh uses; on a cluster, the cluster's launcher starts grpo_main once
+per host instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from tunix_mcjax.launch import launch
+from tunix_mcjax.tunix import GRPO_MAIN
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m tunix_mcjax.tunix.launch",
+                                     description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--hosts", type=int, default=2, help="processes to start (default 2)")
+    parser.add_argument("--devices-per-host", type=int, default=1,
+                        help="CPU devices per process (default 1)")
+    parser.add_argument("base_config", help="Tunix's base config YAML")
+    parser.add_argument("overrides", nargs="*", help="grpo_main's key=value arguments")
+    args = parser.parse_args(argv)
+    if args.hosts < 1 or args.devices_per_host < 1:
+        parser.error("--hosts and --devices-per-host must be >= 1")
+    return launch(args.base_config, [*args.overrides, "rl_runtime=mcjax"], args.hosts,
+                  args.devices_per_host, module=GRPO_MAIN)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
