@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import re
 import types
 import typing
 from pathlib import Path
@@ -129,6 +130,21 @@ class Config:
     # recomputes the layer (less activation memory, ~1/3 more compute); "none" keeps all.
     remat_policy: str = "none"
     # --- end trainer memory ---
+
+    # --- LoRA (lora.py; Tunix's lora_config.rank / alpha / module_path, qwix's meaning) ---
+    # Adapter rank; 0: full fine-tuning. > 0: only the adapters train (optimizer state for them
+    # only), the engine decodes base + adapters, each publish after the first moves only the
+    # adapters, and checkpoints hold the adapters (the base comes from load_parameters_path,
+    # or init_weights_seed). The reference model (grpo_beta > 0) is the base without adapters.
+    lora_rank: int = 0
+    # Adapter scale is lora_alpha / lora_rank (qwix).
+    lora_alpha: float = 64.0
+    # Regex, fully matched against Tunix Qwen3 module paths such as layers/3/attn/q_proj or
+    # layers/3/mlp/gate_proj (qwix's module_path). Tunix's run_qwen3.sh value (its Gemma
+    # names match nothing in Qwen3, so there it adapts the MLP projections only).
+    lora_module_path: str = (".*q_einsum|.*kv_einsum|.*gate_proj|.*down_proj|.*up_proj"
+                             "|.*attn_vec_einsum")
+    # --- end LoRA ---
 
     # GRPO loss (MaxText names; Tunix semantics).
     grpo_beta: float = 0.0
@@ -454,9 +470,28 @@ def _validate(cfg: Config) -> None:
     if cfg.train_logits_chunk_tokens < 0:
         raise ConfigError(f"train_logits_chunk_tokens must be >= 0 (0: no chunking), got "
                           f"{cfg.train_logits_chunk_tokens}")
+    _validate_lora(cfg)
     _validate_recipe_keys(cfg)
     if cfg.tokenizer_type == "huggingface" and not cfg.tokenizer_path:
         raise ConfigError("tokenizer_type=huggingface needs tokenizer_path=<dir with tokenizer>")
+
+
+def _validate_lora(cfg: Config) -> None:
+    """LoRA keys (lora.py): rank, scale, a regex that compiles, an engine that decodes them."""
+    if cfg.lora_rank < 0:
+        raise ConfigError(f"lora_rank must be >= 0 (0: full fine-tuning), got {cfg.lora_rank}")
+    if not cfg.lora_rank:
+        return
+    if not cfg.lora_alpha > 0 or cfg.lora_alpha == float("inf"):
+        raise ConfigError(f"lora_alpha must be a finite number > 0 (scale = alpha / rank), got "
+                          f"{cfg.lora_alpha}. Tunix's run_qwen3.sh: lora_alpha=64.0")
+    try:
+        re.compile(cfg.lora_module_path)
+    except re.error as e:
+        raise ConfigError(f"lora_module_path={cfg.lora_module_path!r} is not a regex: {e}") from e
+    if cfg.rollout_engine != "jax":
+        raise ConfigError(f"lora_rank={cfg.lora_rank}: rollout_engine={cfg.rollout_engine} does "
+                          "not decode LoRA adapters; use rollout_engine=jax")
 
 
 def _validate_recipe_keys(cfg: Config) -> None:

@@ -12,6 +12,7 @@ from flax import nnx
 from tunix.models.qwen3 import model as qwen3
 from tunix.models.qwen3 import params as qwen3_params
 
+from tunix_mcjax import lora
 from tunix_mcjax.config import Config, ConfigError
 
 PRESETS = {
@@ -25,7 +26,12 @@ DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 def model_config(cfg: Config, vocab_size: int, *, for_sampling: bool = False) -> qwen3.ModelConfig:
     """The Tunix ModelConfig for `cfg.model_name` (`qwen3-tiny` reads the `base_*` keys); the
-    engine's (`for_sampling`) holds its weights in `rollout_weight_dtype`."""
+    engine's (`for_sampling`) holds its weights in `rollout_weight_dtype`. With `lora_rank` > 0
+    it is a `lora.LoraModelConfig`: the tree carries adapters."""
+    return lora.with_lora(_base_model_config(cfg, vocab_size, for_sampling), lora.spec_of(cfg))
+
+
+def _base_model_config(cfg: Config, vocab_size: int, for_sampling: bool) -> qwen3.ModelConfig:
     sharding = qwen3.ShardingConfig.get_default_sharding(is_sampling=for_sampling)
     weights = cfg.rollout_weight_dtype if for_sampling and cfg.rollout_weight_dtype else \
         cfg.weight_dtype
@@ -97,10 +103,13 @@ def load_model(mc: qwen3.ModelConfig, path: str, mesh: jax.sharding.Mesh | None 
 
 
 def build_model(cfg: Config, mc: qwen3.ModelConfig, mesh: jax.sharding.Mesh | None = None):
-    """The run's starting policy: loaded from `load_parameters_path`, else random init."""
+    """The run's starting policy: loaded from `load_parameters_path`, else random init; with
+    LoRA (`mc` carries a spec), plus Tunix's adapters on that base."""
     if cfg.load_parameters_path:
-        return load_model(mc, cfg.load_parameters_path, mesh)
-    return create_model(mc, cfg.init_weights_seed, mesh)
+        model = load_model(mc, cfg.load_parameters_path, mesh)
+    else:
+        model = create_model(mc, cfg.init_weights_seed, mesh)
+    return lora.add_adapters(model, mesh) if lora.lora_of(mc) else model
 
 
 

@@ -8,16 +8,22 @@ only when every gather has completed, so the cross-host wait happens inside the 
 (under its watchdog guard, and counted in `publish_s`), not in the next rollout.
 Params that are already in full on every device (`gathered=True`: the flat train step's own
 all-gathered output) are loaded as they are: no gather, and the engine keeps those buffers.
+`publish_trainer` sends an engine the whole tree once, then only what trains (with LoRA, the
+adapters: the engine keeps the base). `last_bytes` is the size of the last tree published.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from tunix_mcjax.engine import Engine
+
+if TYPE_CHECKING:
+    from tunix_mcjax.trainer import Trainer
 
 
 def _nest(path: tuple, leaf: Any) -> dict:
@@ -35,10 +41,22 @@ class Publisher:
         self.mesh = mesh
         self.gather_calls = 0
         self.load_calls = 0
+        self.last_bytes = 0
+        self._has_base: set[int] = set()  # ids of engines given the whole tree
+
+    def publish_trainer(self, trainer: Trainer, engine: Engine) -> None:
+        """The trainer's params into `engine`: the whole tree the first time, then only the
+        trained part (LoRA: the adapters, a partial tree the engine lays over its base)."""
+        first = id(engine) not in self._has_base
+        self.publish(trainer.engine_params(adapters_only=not first), engine,
+                     gathered=trainer.engine_params_gathered)
+        self._has_base.add(id(engine))
 
     def publish(self, engine_params: dict, engine: Engine, gathered: bool = False) -> None:
         """Loads `engine_params` (global arrays) into `engine`; `gathered`: they are already
         replicated over the mesh."""
+        self.last_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                              for x in jax.tree.leaves(engine_params))
         with jax.set_mesh(self.mesh):
             if self.single_call:
                 engine.load_weights(self._gather(engine_params, gathered))

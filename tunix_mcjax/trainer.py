@@ -12,6 +12,12 @@ Gathered once, a policy that runs per device (`Policy.per_device`) trains data p
 the end of the previous step, reduce-scatters every gradient in one buffer, updates the shards
 with the same optax transformation, and all-gathers the new shards in one buffer; those full
 params feed the next step and the engine (`engine_params`), so publishing gathers nothing.
+
+With LoRA adapters in the tree (`nnx.LoRAParam`, `lora.py`), only they train, as in Tunix's
+`PeftTrainer` (`wrt=nnx.LoRAParam`): `params` and the optimizer state are the adapters', the base
+is `frozen` (gathered once for the flat step, whose collectives then carry adapters only), and
+the reference model is the base without adapters. `engine_params(adapters_only=True)` is what a
+publish after the first moves.
 """
 
 from __future__ import annotations
@@ -114,6 +120,16 @@ def make_optimizer(cfg: Config) -> optax.GradientTransformation:
     return optax.chain(*chain)
 
 
+def split_trainable(params: Any) -> tuple[nnx.State | None, Any]:
+    """(frozen base, trained adapters) of a tree with LoRA adapters; (None, params) without."""
+    if not isinstance(params, nnx.State):
+        return None, params
+    adapters, base = nnx.split_state(params, nnx.LoRAParam, ...)
+    if not jax.tree.leaves(adapters):
+        return None, params
+    return base, adapters
+
+
 def param_bytes_each(params: Any) -> tuple[int, int]:
     """(parameter count, bytes per parameter of the widest leaf dtype)."""
     leaves = jax.tree.leaves(params)
@@ -139,8 +155,9 @@ class Trainer:
                 "train_logits_chunk_tokens=0 and remat_policy=none (its model's remat applies)")
         self.cfg, self.policy, self.mesh = cfg, policy, mesh
         self.tx = tx or make_optimizer(cfg)
-        self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
         count, width = param_bytes_each(params)
+        frozen, params = split_trainable(params)
+        self.param_shardings = jax.tree.map(lambda x: x.sharding, params)
         devices = mesh.devices.size
         # Gathering every FSDP shard once per forward makes the compute plain data parallel:
         # with a per-device policy, one flat all-gather and one flat reduce-scatter per step
@@ -155,6 +172,13 @@ class Trainer:
             if self.gather_params_once and policy.per_device else None
         replicated = jax.NamedSharding(mesh, jax.P())
         self.gathered = jax.tree.map(lambda _: replicated, params)
+        self.frozen_gathered = jax.tree.map(lambda _: replicated, frozen)
+        # The base as the step reads it: in full on every device for the flat step (gathered
+        # once here), FSDP-sharded otherwise. None: no LoRA, everything trains.
+        self.frozen = frozen
+        if frozen is not None and self.flat is not None:
+            with jax.set_mesh(mesh):
+                self.frozen = jax.jit(lambda t: t, out_shardings=self.frozen_gathered)(frozen)
         # Optimizer moments shard like their params (replicated scalars otherwise), and keep
         # that sharding across updates so the step compiles once.
         self.opt_shardings = optax.tree_utils.tree_map_params(
@@ -163,7 +187,9 @@ class Trainer:
         with jax.set_mesh(mesh):
             self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
         self.params = params
-        self.ref_params = jax.tree.map(jnp.copy, params) if cfg.grpo_beta else None
+        # LoRA's reference is the base itself (no copy); see `_loss`.
+        self.ref_params = jax.tree.map(jnp.copy, params) \
+            if cfg.grpo_beta and frozen is None else None
         self.micro_batches = memory.num_micro_batches(cfg.batch_size, cfg.train_micro_batch_size)
         self.batch_sharding = jax.NamedSharding(mesh, jax.P(None, "fsdp"))
         self._step = jax.jit(self._update, static_argnames=("off_policy",), donate_argnums=(0, 1))
@@ -204,12 +230,16 @@ class Trainer:
                 self._ref_full = self._gather(self._ref_params)
         return self._ref_full
 
-    def _logps(self, params, batch, row_shards: int):
-        """Token logprobs of `batch`; its rows are split over `row_shards` devices."""
+    def _logps(self, params, frozen, batch, row_shards: int):
+        """Token logprobs of `batch` under `params` (plus the `frozen` base, with LoRA); its
+        rows are split over `row_shards` devices."""
         cfg, policy = self.cfg, self.policy
         if self.gather_params_once and self.flat is None:
             params = jax.lax.with_sharding_constraint(params, self.gathered)
-        model = nnx.merge(policy.graphdef, params)
+            if frozen is not None:
+                frozen = jax.lax.with_sharding_constraint(frozen, self.frozen_gathered)
+        model = nnx.merge(policy.graphdef, params) if frozen is None else \
+            nnx.merge(policy.graphdef, frozen, params)
         args = (batch["tokens"], batch["positions"], batch["segment_ids"])
         temperature = cfg.decode_sampling_temperature
         if policy.hidden is None:
@@ -220,28 +250,33 @@ class Trainer:
             chunk_tokens=cfg.train_logits_chunk_tokens,
             rows_per_device=batch["tokens"].shape[0] // row_shards)
 
-    def _loss(self, params, ref_params, batch, off_policy, row_shards):
-        logps = self._logps(params, batch, row_shards)
+    def _loss(self, params, ref_params, batch, off_policy, row_shards, frozen=None):
+        logps = self._logps(params, frozen, batch, row_shards)
         ref_logps = None
         if ref_params is not None:
-            ref_logps = jax.lax.stop_gradient(self._logps(ref_params, batch, row_shards))
+            ref_logps = jax.lax.stop_gradient(self._logps(ref_params, None, batch, row_shards))
+        elif frozen is not None and self.cfg.grpo_beta:
+            # LoRA: Tunix's reference model is the base; zero adapters add exactly nothing.
+            no_adapters = jax.tree.map(jnp.zeros_like, params)
+            ref_logps = jax.lax.stop_gradient(self._logps(no_adapters, frozen, batch,
+                                                          row_shards))
         per_token = grpo_token_terms(logps, batch, ref_logps, beta=self.cfg.grpo_beta,
                                      epsilon=self.cfg.grpo_epsilon, off_policy=off_policy)
         sums = step_sums(logps, ref_logps, per_token, batch)
         return sums["loss"], sums
 
     def _grads(self, params, ref_params, batch, off_policy, *, row_shards: int,
-               grad_shardings: Any = None):
-        """(sums, grads) over the step's micro-batches (leading axis of every batch array);
-        with `grad_shardings`, each micro-batch's gradient is reduced to them."""
+               grad_shardings: Any = None, frozen: Any = None):
+        """(sums, grads of `params`) over the step's micro-batches (leading axis of every
+        batch array); with `grad_shardings`, each micro-batch's gradient is reduced to them."""
         grad_fn = jax.value_and_grad(self._loss, has_aux=True)
         if batch["tokens"].shape[0] == 1:
             (_, sums), grads = grad_fn(params, ref_params, jax.tree.map(lambda x: x[0], batch),
-                                       off_policy, row_shards)
+                                       off_policy, row_shards, frozen)
             return sums, grads
 
         def micro(acc, mb):
-            (_, sums), grads = grad_fn(params, ref_params, mb, off_policy, row_shards)
+            (_, sums), grads = grad_fn(params, ref_params, mb, off_policy, row_shards, frozen)
             if grad_shardings is not None:
                 grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
             return jax.tree.map(jnp.add, acc, (sums, grads)), None
@@ -270,10 +305,10 @@ class Trainer:
                    "kl_loss": sums["kl_loss"], "finite": finite.astype(jnp.float32)}
         return params, opt_state, metrics
 
-    def _update(self, params, opt_state, ref_params, batch, off_policy):
+    def _update(self, params, opt_state, ref_params, batch, off_policy, frozen=None):
         sums, grads = self._grads(params, ref_params, batch, off_policy,
                                   row_shards=self.mesh.shape["fsdp"],
-                                  grad_shardings=self.param_shardings)
+                                  grad_shardings=self.param_shardings, frozen=frozen)
         return self._apply(params, opt_state, grads, sums)
 
     def _all_gather(self, params):
@@ -281,19 +316,22 @@ class Trainer:
                              in_specs=(fsdp_flat.specs(self.flat),), out_specs=jax.P(),
                              check_vma=False)(params)
 
-    def _flat_update(self, params, opt_state, full, ref_full, batch, off_policy):
+    def _flat_update(self, params, opt_state, full, ref_full, batch, off_policy, frozen=None):
         """Data parallel on full params: one reduce-scatter of every gradient and the loss
-        sums, the update on shards, one all-gather of the new shards (the next step's `full`)."""
-        def local_grads(full, ref_full, batch):
-            sums, grads = self._grads(full, ref_full, batch, off_policy, row_shards=1)
+        sums, the update on shards, one all-gather of the new shards (the next step's `full`).
+        With LoRA, `frozen` is the base in full; the collectives carry the adapters only."""
+        def local_grads(full, ref_full, batch, frozen):
+            sums, grads = self._grads(full, ref_full, batch, off_policy, row_shards=1,
+                                      frozen=frozen)
             shards, summed = fsdp_flat.reduce_scatter(
                 self.flat, grads, jnp.stack([sums[k] for k in SUM_KEYS]))
             return shards, dict(zip(SUM_KEYS, summed, strict=True))
 
         grads, sums = jax.shard_map(
-            local_grads, mesh=self.mesh, in_specs=(jax.P(), jax.P(), jax.P(None, "fsdp")),
+            local_grads, mesh=self.mesh,
+            in_specs=(jax.P(), jax.P(), jax.P(None, "fsdp"), jax.P()),
             out_specs=(fsdp_flat.specs(self.flat), jax.P()), check_vma=False)(
-                full, ref_full, batch)
+                full, ref_full, batch, frozen)
         params, opt_state, metrics = self._apply(params, opt_state, grads, sums)
         return params, opt_state, self._all_gather(params), metrics
 
@@ -330,10 +368,10 @@ class Trainer:
         with jax.set_mesh(self.mesh):
             if self.flat is None:
                 return self._step.lower(self.params, self.opt_state, self.ref_params, batch,
-                                        off_policy=self.off_policy)
+                                        off_policy=self.off_policy, frozen=self.frozen)
             return self._flat_step.lower(self.params, self.opt_state, self.full_params(),
                                          self._ref_full_params(), batch,
-                                         off_policy=self.off_policy)
+                                         off_policy=self.off_policy, frozen=self.frozen)
 
     def step(self, local: dict[str, np.ndarray]) -> dict[str, float]:
         """One update; `loss`, `grad_norm`, `kl` (token mean), `kl_loss`, `finite` (0: skipped)."""
@@ -342,12 +380,12 @@ class Trainer:
             if self.flat is None:
                 self.params, self.opt_state, metrics = self._step(
                     self.params, self.opt_state, self.ref_params, batch,
-                    off_policy=self.off_policy)
+                    off_policy=self.off_policy, frozen=self.frozen)
             else:
                 full, ref_full = self.full_params(), self._ref_full_params()
                 self._params, self.opt_state, self._full, metrics = self._flat_step(
                     self._params, self.opt_state, full, ref_full, batch,
-                    off_policy=self.off_policy)
+                    off_policy=self.off_policy, frozen=self.frozen)
         return {k: float(v) for k, v in jax.device_get(metrics).items()}
 
     @property
@@ -359,7 +397,15 @@ class Trainer:
         """Whether `engine_params()` is already in full on every device (nothing to gather)."""
         return self.flat is not None
 
-    def engine_params(self) -> Any:
-        """The engine's param tree; with the flat step, built from its gathered full params."""
-        return self.policy.to_engine_params(self.params if self.flat is None
-                                            else self.full_params())
+    @property
+    def lora(self) -> bool:
+        """Whether only LoRA adapters train (the base is frozen)."""
+        return self.frozen is not None
+
+    def engine_params(self, adapters_only: bool = False) -> Any:
+        """The engine's param tree; with the flat step, built from its gathered full params.
+        `adapters_only` (LoRA): just the adapters, for an engine that holds the base already."""
+        trained = self.params if self.flat is None else self.full_params()
+        if self.frozen is None or adapters_only:
+            return self.policy.to_engine_params(trained)
+        return self.policy.to_engine_params(nnx.merge_state(self.frozen, trained))

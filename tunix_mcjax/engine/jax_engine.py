@@ -21,6 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3 import model as qwen3
 
+from tunix_mcjax import lora
 from tunix_mcjax.engine.base import Completion, Engine, FinishReason, SamplingParams
 from tunix_mcjax.engine.decode_loop import (
     DecodeModel,
@@ -102,9 +103,13 @@ def _leaf_specs(cfg: qwen3.ModelConfig, tp: int) -> dict[LeafPath, _LeafSpec]:
     """Expected shape/dtype of every param, and its sharding over a replica's `tp` axis.
 
     Matrices follow Tunix's sampling specs on `tp` (dims that don't divide stay whole); norms
-    and anything on `fsdp` are replicated.
+    and anything on `fsdp` are replicated. A LoRA config adds its adapters (`lora.py`).
     """
-    abstract = nnx.eval_shape(lambda: qwen3.Qwen3(cfg, rngs=nnx.Rngs(0)))
+    def build():
+        model = qwen3.Qwen3(cfg, rngs=nnx.Rngs(0))
+        return lora.add_adapters(model) if lora.lora_of(cfg) else model
+
+    abstract = nnx.eval_shape(build)
     state = nnx.state(abstract, nnx.Param)
     shapes = flatten_tree(nnx.to_pure_dict(state))
     partitions = flatten_tree(nnx.to_pure_dict(nnx.get_partition_spec(state)))

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 from tunix.models.qwen3.model import K_MASK, ModelConfig
 
+from tunix_mcjax import lora
+
 Params = dict[str, Any]
 # Tunix 0.1.7's attention calls `apply_rope` without `config.rope_theta`, so its Qwen3 always
 # rotates with the default 1e6. The trainer scores with Tunix's model; we match it, not the config.
@@ -56,23 +58,36 @@ def _matmul(x: jax.Array, w: jax.Array, spec: str, dtype: Any) -> jax.Array:
     return jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
 
 
+def _project(cfg: ModelConfig, x: jax.Array, module: Params, weight: str, spec: str
+             ) -> jax.Array:
+    """One projection; with LoRA adapters beside its weight, plus their term (qwix's)."""
+    out = _matmul(x, module[weight], spec, cfg.dtype)
+    if lora.has_adapters(module, weight):
+        spec_lora = lora.lora_of(cfg)
+        if spec_lora is None:
+            raise ValueError("the param tree has LoRA adapters but the model config carries no "
+                             "LoRA spec (build it with lora.with_lora)")
+        out = out + lora.delta(x, module, weight, spec, cfg.dtype, spec_lora.scale)
+    return out
+
+
 def decoder_layer(cfg: ModelConfig, lp: Params, x: jax.Array, positions: jax.Array, attend):
     """One decoder layer. `attend(q, k, v) -> (attn_out, layer_cache)` owns the cache policy."""
     dt, eps = cfg.dtype, cfg.norm_eps
     a = lp["attn"]
     h = rms_norm(x, lp["input_layernorm"]["w"], eps, dt)
-    q = rms_norm(_matmul(h, a["q_proj"]["w"], "BTD,DNH->BTNH", dt), a["q_norm"]["w"], eps, dt)
-    k = rms_norm(_matmul(h, a["k_proj"]["w"], "BSD,DKH->BSKH", dt), a["k_norm"]["w"], eps, dt)
-    v = _matmul(h, a["v_proj"]["w"], "BSD,DKH->BSKH", dt)
+    q = rms_norm(_project(cfg, h, a["q_proj"], "w", "BTD,DNH->BTNH"), a["q_norm"]["w"], eps, dt)
+    k = rms_norm(_project(cfg, h, a["k_proj"], "w", "BSD,DKH->BSKH"), a["k_norm"]["w"], eps, dt)
+    v = _project(cfg, h, a["v_proj"], "w", "BSD,DKH->BSKH")
     q = apply_rope(q, positions, TUNIX_ROPE_THETA)
     k = apply_rope(k, positions, TUNIX_ROPE_THETA)
     out, layer_cache = attend(q, k, v)
-    x = x + _matmul(out, a["o_proj"]["w"], "BTNH,NHD->BTD", dt)
+    x = x + _project(cfg, out, a["o_proj"], "w", "BTNH,NHD->BTD")
     m = lp["mlp"]
     h = rms_norm(x, lp["post_attention_layernorm"]["w"], eps, dt)
-    gate = _matmul(h, m["gate_proj"]["kernel"], "BTD,DF->BTF", dt)
-    up = _matmul(h, m["up_proj"]["kernel"], "BTD,DF->BTF", dt)
-    x = x + _matmul(jax.nn.silu(gate) * up, m["down_proj"]["kernel"], "BTF,FD->BTD", dt)
+    gate = _project(cfg, h, m["gate_proj"], "kernel", "BTD,DF->BTF")
+    up = _project(cfg, h, m["up_proj"], "kernel", "BTD,DF->BTF")
+    x = x + _project(cfg, jax.nn.silu(gate) * up, m["down_proj"], "kernel", "BTF,FD->BTD")
     return x, layer_cache
 
 

@@ -254,6 +254,9 @@ REFUSED: dict[str, str] = {
     "async_checkpointing": "checkpoints are saved synchronously",
     "quantization": "quantized training is not supported",
     "rope_max_timescale": "the engine's Qwen3 forward rotates with theta 1e6 (Tunix's)",
+    "lora": "LoRA is not supported under the MaxText adapter (MaxText's policy trains every "
+            "param); for LoRA run Tunix's CLI with rl_runtime=mcjax, or lora_rank on "
+            "tunix_mcjax.launch",
 }
 
 # MaxText nested sections that mirror flat keys; compared through the flat keys (and `rl.*`).

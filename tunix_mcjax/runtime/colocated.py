@@ -228,8 +228,7 @@ class ColocatedRuntime:
             self._gather_metrics()
 
     def _publish(self) -> None:
-        self.publisher.publish(self.trainer.engine_params(), self.engine,
-                               gathered=self.trainer.engine_params_gathered)
+        self.publisher.publish_trainer(self.trainer, self.engine)
 
     def _evaluate_after(self, step: int) -> dict:
         """The evaluations due after `step`, kept out of its wall period and compile count."""
