@@ -11,6 +11,9 @@ own loop runs unchanged. We only wrap public methods with timers and feed the ba
   separate admit phase; the rest of the step (advantages, padding, bookkeeping) is `other`;
 * each step samples with a fresh seed, set in the rollout config before Tunix reads it.
 
+With `lora_rank` > 0 the actor gets qwix LoRA adapters as Tunix's CLI applies `lora_config`
+(rank, alpha, module_path), and Tunix trains only them.
+
 Layouts: `fsdp` (actor and rollout share one FSDP mesh over all devices) and `one-device`
 (both on the first device, the others idle).
 
@@ -179,6 +182,14 @@ def run(cfg, layout: str) -> Path:
     mc = model_config(cfg, len(tokenizer))
     actor = build_model(cfg, mc, mesh)  # load_parameters_path, else random init
     reference = nnx.clone(actor) if cfg.grpo_beta else None
+    if cfg.lora_rank:  # as Tunix's CLI applies lora_config (cli/utils/model.py)
+        import qwix
+        from tunix.rl import reshard
+
+        provider = qwix.LoraProvider(module_path=cfg.lora_module_path, rank=cfg.lora_rank,
+                                     alpha=cfg.lora_alpha)
+        actor = reshard.reshard_model_to_mesh(
+            qwix.apply_lora_to_model(actor, provider, **actor.get_model_input()), mesh)
 
     completion_budget = cfg.max_completion_length
     rollout_config = base_rollout.RolloutConfig(
