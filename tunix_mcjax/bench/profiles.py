@@ -7,7 +7,8 @@ every arm decodes the same number of tokens. The dataset holds exactly `batches`
 batches, and `data_repeat_period` replays them: steps 0..B-1 and B..2B-1 see the same batches.
 `gsm8k-cpu-eos` honours EOS instead, so completions stop early and pack unevenly as in real
 RL; the equal-work rule (`bench.equal_work`) then checks that the arms' lengths agree.
-`demo-cpu` is `recipes/cpu/demo.yml`'s task and config (next digit, 2 new tokens).
+`gsm8k-cpu-lora` is gsm8k-cpu with LoRA on (Tunix's `run_qwen3.sh` rank, alpha and module
+path). `demo-cpu` is `recipes/cpu/demo.yml`'s task and config (next digit, 2 new tokens).
 """
 
 from __future__ import annotations
@@ -59,6 +60,11 @@ class Profile:
 DEMO_MODEL = {"base_num_decoder_layers": 2, "base_emb_dim": 64, "base_mlp_dim": 128,
               "base_num_query_heads": 4, "base_num_kv_heads": 2, "head_dim": 16}
 QWEN3_0P6B = {"model_name": "qwen3-0.6b", "dtype": "bfloat16", "weight_dtype": "float32"}
+# Tunix's examples/rl/grpo/gsm8k/run_qwen3.sh LoRA (rank 64, alpha 64; its module_path names
+# Gemma's attention einsums, so on Qwen3 it adapts the MLP projections only).
+RUN_QWEN3_LORA = {"lora_rank": 64, "lora_alpha": 64.0,
+                  "lora_module_path": ".*q_einsum|.*kv_einsum|.*gate_proj|.*down_proj|.*up_proj"
+                                      "|.*attn_vec_einsum"}
 
 PROFILES = {p.name: p for p in (
     # Paper Table 1, Qwen3-0.6B shapes (random init). Accelerator scale.
@@ -72,6 +78,8 @@ PROFILES = {p.name: p for p in (
     Profile("swe-cpu", "prefill-heavy", 8, 8, 256, 16, (160, 255)),
     Profile("gsm8k-cpu-eos", "balanced, EOS honoured", 4, 16, 32, 128, (12, 31),
             ignore_eos=False),
+    # gsm8k-cpu with run_qwen3.sh's LoRA: the workload of the tunix-cli arm's comparison.
+    Profile("gsm8k-cpu-lora", "balanced, LoRA on", 4, 16, 32, 128, (12, 31), RUN_QWEN3_LORA),
     # recipes/cpu/demo.yml: 16 prompts x 32 samples, prompts "d=" (3 tokens with BOS).
     Profile("demo-cpu", "overhead-bound", 16, 32, 4, 2, (3, 3), DEMO_MODEL, ignore_eos=False,
             task={"dataset_name": "next_digit", "seed": 0, "learning_rate": 0.003,

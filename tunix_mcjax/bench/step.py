@@ -6,6 +6,8 @@
 Arms (same model, tokenizer, reward, hyperparameters, batches and devices):
   tunix      stock Tunix GRPOLearner + RLCluster (vanilla rollout), one process; every layout in
              --tunix-layouts runs and the fastest one is the arm
+  tunix-cli  Tunix's own CLI, `python -m tunix.cli.grpo_main` (rl_runtime=default), one process,
+             on the same workload (bench.tunix_cli_arm); layouts as for tunix
   single     our runtime, rl_runtime=single: one process drives all H x D devices
   mcjax      our colocated runtime on H hosts (the reference of every ratio)
   mcjax+opt  mcjax with O1-O4 on
@@ -57,7 +59,8 @@ OPTIMIZATIONS = {
     "O4": "rl_publish_weights_single_call",
 }
 ALL_OPT = {key: True for key in OPTIMIZATIONS.values()}
-ARMS = ("tunix", "single", "mcjax", "mcjax+opt", "mcjax_da")
+ARMS = ("tunix", "tunix-cli", "single", "mcjax", "mcjax+opt", "mcjax_da")
+LAYOUT_ARMS = ("tunix", "tunix-cli")  # one process; each layout in --tunix-layouts is a run
 ABLATION = ("mcjax", *(f"mcjax+{o}" for o in OPTIMIZATIONS), "mcjax+opt")
 BALANCE = ("mcjax", "mcjax+O3", "mcjax+O3x")
 # Output lengths that differ by prompt and repeat across epochs (EOS honoured, greedy decoding),
@@ -73,7 +76,7 @@ class Run:
     arm: str
     hosts: int
     devices_per_host: int
-    layout: str = ""  # tunix only
+    layout: str = ""  # LAYOUT_ARMS only
     launch: int = 0
     launches: int = 1
     traced: bool = False  # the extra launch under the profiler (bench.trace); not timed
@@ -105,6 +108,8 @@ class Run:
         if self.arm == "tunix":
             return [sys.executable, "-m", "tunix_mcjax.bench.tunix_arm", "--devices",
                     str(devices), "--layout", self.layout, str(recipe), *keys]
+        if self.arm == "tunix-cli":
+            return tunix_cli_command(recipe, devices, self.layout, keys)
         hosts, per_host = (1, devices) if self.arm == "single" else (self.hosts,
                                                                       self.devices_per_host)
         launcher = "tunix_mcjax.bench.traced_run" if self.traced else "tunix_mcjax.launch"
@@ -128,6 +133,13 @@ def mcjax_da_arms(hosts: int, batch_size: int) -> tuple[list[str], dict[str, str
     return allowed, ruled_out
 
 
+def tunix_cli_command(recipe: Path, devices: int, layout: str, keys: list[str]) -> list[str]:
+    """The `tunix-cli` arm: `bench.tunix_cli_arm` writes the workload's Tunix CLI config and runs
+    `tunix.cli.grpo_main` on it in this process, with the step clock installed."""
+    return [sys.executable, "-m", "tunix_mcjax.bench.tunix_cli_arm", "--devices", str(devices),
+            "--layout", layout, str(recipe), *keys]
+
+
 def plan(arms: list[str], hosts: list[int], devices_per_host: int, tunix_layouts: list[str],
          launches: int, batch_size: int = 0) -> list[Run]:
     """Launch after launch, each running every arm once (round robin spreads machine load)."""
@@ -136,7 +148,7 @@ def plan(arms: list[str], hosts: list[int], devices_per_host: int, tunix_layouts
         for h in hosts:
             for arm in [a for name in arms for a in (
                     mcjax_da_arms(h, batch_size)[0] if name == "mcjax_da" else [name])]:
-                layouts = [""] if arm != "tunix" else (
+                layouts = [""] if arm not in LAYOUT_ARMS else (
                     tunix_layouts if h * devices_per_host > 1 else ["one-device"])
                 runs += [Run(arm, h, devices_per_host, layout, launch, launches)
                          for layout in layouts]
@@ -236,8 +248,8 @@ def _balance_context(runs: list[Run], out: Path, first_scored: int, hosts: int) 
 
 
 def collect(runs: list[Run], out: Path, first_scored: int) -> tuple[list[report.ArmRun], dict]:
-    """Loads every run; per host count, the Tunix layout with the fastest pooled median is the
-    tunix arm."""
+    """Loads every run; per arm in LAYOUT_ARMS and host count, the layout with the fastest
+    pooled median is the arm."""
     groups: dict[tuple[str, int, str], list[tuple[RunLog, dict]]] = {}
     for run in runs:
         groups.setdefault((run.arm, run.hosts, run.layout), []).append(_load(run, out))
@@ -246,26 +258,31 @@ def collect(runs: list[Run], out: Path, first_scored: int) -> tuple[list[report.
         logs = tuple(log for log, _ in loaded)
         metas = tuple({**meta, "layout": layout} if layout else meta for _, meta in loaded)
         arm_run = report.ArmRun(arm, hosts, logs, metas)
-        if arm != "tunix":
+        if arm not in LAYOUT_ARMS:
             arm_runs.append(arm_run)
             continue
         median = float(np.median(arm_run.log.column("step_s", first_scored)))
-        layouts[f"{layout}-h{hosts}"] = median
-        if hosts not in best or median < best[hosts][0]:
-            best[hosts] = (median, arm_run)
+        layouts[arm, layout, hosts] = median
+        if (arm, hosts) not in best or median < best[arm, hosts][0]:
+            best[arm, hosts] = (median, arm_run)
     return [b[1] for b in best.values()] + arm_runs, layouts
 
 
+def _layout_key(arm: str, layout: str, hosts: int) -> str:
+    """`<layout>-h<H>` for the tunix arm (as before), `<arm>-<layout>-h<H>` for the others."""
+    return f"{layout}-h{hosts}" if arm == "tunix" else f"{arm}-{layout}-h{hosts}"
+
+
 def traced_runs(arms: list[str], hosts: list[int], devices_per_host: int,
-                layouts: dict[str, float]) -> list[Run]:
-    """One traced launch per arm and host count; Tunix in its fastest timed layout."""
+                layouts: dict[tuple[str, str, int], float]) -> list[Run]:
+    """One traced launch per arm and host count; LAYOUT_ARMS in their fastest timed layout
+    (`layouts`: (arm, layout, hosts) -> pooled median, from `collect`)."""
     runs = []
     for h in hosts:
         for arm in arms:
             layout = ""
-            if arm == "tunix":
-                timed = {k.rsplit("-h", 1)[0]: v for k, v in layouts.items()
-                         if k.endswith(f"-h{h}")}
+            if arm in LAYOUT_ARMS:
+                timed = {lay: v for (a, lay, hh), v in layouts.items() if a == arm and hh == h}
                 layout = min(timed, key=timed.get)
             runs.append(Run(arm, h, devices_per_host, layout, traced=True))
     return runs
@@ -356,7 +373,7 @@ def main(argv: list[str] | None = None) -> None:
                "devices_per_host": args.devices_per_host, "overrides": args.set,
                "steps": steps, "batches": profiles.BATCHES, "launches": args.launches}
     if layouts:
-        context["tunix_layouts"] = layouts
+        context["tunix_layouts"] = {_layout_key(*k): v for k, v in layouts.items()}
     if args.balance:
         context.update(_balance_context(runs, out, first_scored, max(args.hosts)))
     rep = report.build_report(arm_runs, "mcjax", first_scored,

@@ -11,6 +11,9 @@ own loop runs unchanged. We only wrap public methods with timers and feed the ba
   separate admit phase; the rest of the step (advantages, padding, bookkeeping) is `other`;
 * each step samples with a fresh seed, set in the rollout config before Tunix reads it.
 
+With `lora_rank` > 0 the actor gets qwix LoRA adapters as Tunix's CLI applies `lora_config`
+(rank, alpha, module_path), and Tunix trains only them.
+
 Layouts: `fsdp` (actor and rollout share one FSDP mesh over all devices) and `one-device`
 (both on the first device, the others idle).
 
@@ -114,6 +117,50 @@ def step_seed(seed: int, step: int) -> int:
     return (seed * 100_003 + step) % 2**31
 
 
+def instrument(cluster, clock: StepClock, pad_id: int, completion_budget: int) -> None:
+    """Wraps the RLCluster's public phase methods with the clock's timers; `generate` also
+    records the rollout's lengths. The last step ends where `close` starts."""
+    import numpy as np
+
+    generate = clock.timed("generate", cluster.generate)
+
+    def observed_generate(*args, **kwargs):
+        output = generate(*args, **kwargs)
+        lens = np.array([len(t) for t in output.tokens])
+        full = lens >= completion_budget
+        lens = np.where(full, lens, lens + 1)  # count the stop token, as our engine does
+        prompt_lens = (np.asarray(output.left_padded_prompt_tokens) != pad_id).sum(axis=1)
+        clock.info.update(
+            prompt_tokens_mean=float(prompt_lens.mean()),
+            completion_len_mean=float(lens.mean()), completion_len_max=int(lens.max()),
+            truncated_frac=float(full.mean()), tokens_generated=int(lens.sum()),
+        )
+        return output
+
+    cluster.generate = observed_generate
+    cluster.update_actor = clock.timed("train", cluster.update_actor)
+    cluster.sync_weights = clock.timed("publish", cluster.sync_weights)
+    close = cluster.close
+
+    def closing():
+        clock.boundary()
+        close()
+    cluster.close = closing
+
+
+def timed_reward(clock: StepClock, fn: Callable, is_accuracy: bool = False) -> Callable:
+    """`fn` under the clock's `reward` timer, adding its mean to the step's `reward_mean`."""
+    import numpy as np
+
+    def scored(prompts, completions, **fields):
+        rewards = fn(prompts=prompts, completions=completions, **fields)
+        clock.info["reward_mean"] = clock.info.get("reward_mean", 0.0) + float(np.mean(rewards))
+        if is_accuracy:
+            clock.info["accuracy"] = float(np.mean(rewards))
+        return rewards
+    return clock.timed("reward", functools.wraps(fn)(scored))
+
+
 def run(cfg, layout: str) -> Path:
     """Trains `cfg.steps` GRPO steps with stock Tunix; returns the steps.jsonl path."""
     import jax
@@ -135,6 +182,14 @@ def run(cfg, layout: str) -> Path:
     mc = model_config(cfg, len(tokenizer))
     actor = build_model(cfg, mc, mesh)  # load_parameters_path, else random init
     reference = nnx.clone(actor) if cfg.grpo_beta else None
+    if cfg.lora_rank:  # as Tunix's CLI applies lora_config (cli/utils/model.py)
+        import qwix
+        from tunix.rl import reshard
+
+        provider = qwix.LoraProvider(module_path=cfg.lora_module_path, rank=cfg.lora_rank,
+                                     alpha=cfg.lora_alpha)
+        actor = reshard.reshard_model_to_mesh(
+            qwix.apply_lora_to_model(actor, provider, **actor.get_model_input()), mesh)
 
     completion_budget = cfg.max_completion_length
     rollout_config = base_rollout.RolloutConfig(
@@ -169,45 +224,10 @@ def run(cfg, layout: str) -> Path:
     out = cfg.run_dir / "steps.jsonl"
     clock = StepClock(out, trace.Window.from_env())
     jax.monitoring.register_event_duration_secs_listener(clock.on_compile)
-    pad_id = tokenizer.pad_token_id
+    instrument(cluster, clock, tokenizer.pad_token_id, completion_budget)
 
-    def observe_rollout(output):
-        lens = np.array([len(t) for t in output.tokens])
-        full = lens >= completion_budget
-        lens = np.where(full, lens, lens + 1)  # count the stop token, as our engine does
-        prompt_lens = (np.asarray(output.left_padded_prompt_tokens) != pad_id).sum(axis=1)
-        clock.info.update(
-            prompt_tokens_mean=float(prompt_lens.mean()),
-            completion_len_mean=float(lens.mean()), completion_len_max=int(lens.max()),
-            truncated_frac=float(full.mean()), tokens_generated=int(lens.sum()),
-        )
-        return output
-
-    def timed_generate(*args, **kwargs):
-        return observe_rollout(generate(*args, **kwargs))
-
-    def reward_fn(fn: Callable) -> Callable:
-        def scored(prompts, completions, **fields):
-            rewards = fn(prompts=prompts, completions=completions, **fields)
-            clock.info["reward_mean"] = clock.info.get("reward_mean", 0.0) + float(np.mean(rewards))
-            if fn is task.accuracy_fn:
-                clock.info["accuracy"] = float(np.mean(rewards))
-            return rewards
-        return clock.timed("reward", functools.wraps(fn)(scored))
-
-    generate = clock.timed("generate", cluster.generate)
-    cluster.generate = timed_generate
-    cluster.update_actor = clock.timed("train", cluster.update_actor)
-    cluster.sync_weights = clock.timed("publish", cluster.sync_weights)
-    close = cluster.close
-
-    def closing():
-        clock.boundary()
-        close()
-    cluster.close = closing
-
-    learner = grpo_learner.GRPOLearner(
-        rl_cluster=cluster, algo_config=algo, reward_fns=[reward_fn(f) for f in task.reward_fns])
+    reward_fns = [timed_reward(clock, f, f is task.accuracy_fn) for f in task.reward_fns]
+    learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=algo, reward_fns=reward_fns)
     print(f"tunix arm: layout={layout} devices={mesh.devices.size} shared_weights="
           f"{not learner.should_sync_weights}", flush=True)
 
