@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 import ray
 
 from tests.mp import REPO, TINY, read_jsonl
+from tunix_mcjax import launch
 from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.runtime import disaggregated
 from tunix_mcjax.runtime.disaggregated import Cluster, training_steps
@@ -126,3 +129,17 @@ def test_bad_splits_and_unsupported_keys_are_refused(tmp_path, overrides, hosts,
 def test_da_keys_need_the_da_runtime():
     with pytest.raises(ConfigError, match="configure rl_runtime=mcjax_da"):
         load_config(None, ["rl_rollout_restarts=2"])
+
+
+def test_one_process_of_a_cluster_launch_refuses_mcjax_da():
+    proc = subprocess.run([sys.executable, "-m", "tunix_mcjax.run", "recipes/cpu/demo.yml",
+                           "rl_runtime=mcjax_da"], cwd=REPO, capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2
+    assert "one Ray driver" in proc.stderr and "tunix_mcjax.launch" in proc.stderr
+
+
+def test_launcher_refuses_a_split_the_host_count_cannot_make(capsys):
+    assert launch.main(["--hosts", "3", str(REPO / "recipes/cpu/demo.yml"),
+                        "rl_runtime=mcjax_da"]) == 2
+    assert "1.5 trainer hosts" in capsys.readouterr().err
