@@ -317,3 +317,13 @@ def test_tpu_recipe_config_is_accepted(tmp_path, monkeypatch):
     assert config_map.mesh_devices(config) == 8  # mesh (2,4): a host of 8 chips, or 2 of 4
     assert "model_config.use_flash_attention" in not_applied
     assert config_map.lora_values(config)["lora_rank"] == 64
+
+
+def test_launch_runs_grpo_main_with_rl_runtime_mcjax(monkeypatch):
+    from tunix_mcjax.tunix import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: calls.append((a, k)) or 0)
+    assert launch.main(["--hosts", "2", "base.yaml", "batch_size=2"]) == 0
+    assert calls == [(("base.yaml", ["batch_size=2", "rl_runtime=mcjax"], 2, 1),
+                      {"module": "tunix.cli.grpo_main"})]
