@@ -306,3 +306,24 @@ def test_model_keys_from_tunix_names_or_config_json(tmp_path):
     assert (tiny["base_num_decoder_layers"], tiny["head_dim"]) == (2, 16)
     with pytest.raises(ConfigError, match="model_source=huggingface"):
         model.checkpoint_dir({"model_source": "kaggle"})
+
+
+def test_tpu_recipe_config_is_accepted(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "unused")  # Tunix's check for a Hub tokenizer path
+    argv = recipe_argv(TPU_RECIPE, tmp_path)
+    argv[1] = str(REPO / "recipes/tunix/base_config.yaml")  # the wheel ships none
+    config = config_map.plain(pipeline(argv).config)
+    not_applied = config_map.check(config)
+    assert config_map.mesh_devices(config) == 8  # mesh (2,4): a host of 8 chips, or 2 of 4
+    assert "model_config.use_flash_attention" in not_applied
+    assert config_map.lora_values(config)["lora_rank"] == 64
+
+
+def test_launch_runs_grpo_main_with_rl_runtime_mcjax(monkeypatch):
+    from tunix_mcjax.tunix import launch
+
+    calls = []
+    monkeypatch.setattr(launch, "launch", lambda *a, **k: calls.append((a, k)) or 0)
+    assert launch.main(["--hosts", "2", "base.yaml", "batch_size=2"]) == 0
+    assert calls == [(("base.yaml", ["batch_size=2", "rl_runtime=mcjax"], 2, 1),
+                      {"module": "tunix.cli.grpo_main"})]

@@ -188,8 +188,9 @@ def _optimizer_keys(optimizer: Mapping[str, Any]) -> set[str]:
 
 
 def _dataclass_defaults(cls: type) -> dict[str, Any]:
-    return {f.name: f.default for f in dataclasses.fields(cls)
-            if f.default is not dataclasses.MISSING}
+    return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            for f in dataclasses.fields(cls)
+            if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
 
 
 def classify(config: Mapping[str, Any]) -> tuple[list[str], dict[str, str]]:

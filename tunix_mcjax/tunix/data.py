@@ -86,7 +86,10 @@ def split_rows(pipeline: Any, tokenizer: TunixPromptTokenizer
     dataset = pipeline._get_dataset(tokenizer.tunix)
     if not hasattr(dataset, "__len__"):  # local parquet: an iterable (Tunix's needs a length)
         dataset = grain.MapDataset.source(list(dataset))
-    pipeline.compute_params(dataset)
+    try:
+        pipeline.compute_params(dataset)
+    except ValueError as e:  # e.g. max_steps over what the data allows
+        raise ConfigError(f"Tunix's compute_params: {e}") from e
     config = pipeline.config
     train, test = data_lib.post_init_dataset(
         dataset, tokenizer.tunix, batch_size=config.get("batch_size", 1),
