@@ -173,9 +173,24 @@ def test_cpu_recipe_maps_onto_config(cpu_argv, checkpoint):
     assert "optimizer_config" in not_applied and "vllm_config" in not_applied
 
 
+def test_num_iterations_counts_updates_as_tunix_does(cpu_argv, checkpoint):
+    """Tunix's max_steps and eval_every_n_steps count actor updates, num_iterations per batch."""
+    from tunix_mcjax.tunix import model
+
+    config = config_map.plain(pipeline(cpu_argv, "grpo_config.num_iterations=2",
+                                       "rl_training_config.eval_every_n_steps=4").config)
+    config_map.check(config)
+    keys = model.model_keys(config["actor_model_config"], str(checkpoint))
+    cfg = config_map.to_config(config, keys, steps=3)
+    # Tunix stops at the first batch whose updates reach max_steps: 2 batches of 2 updates.
+    assert (cfg.num_iterations, cfg.steps, cfg.eval_interval) == (2, 2, 2)
+    config["rl_training_config"]["eval_every_n_steps"] = 3
+    with pytest.raises(ConfigError, match="multiple of 2"):
+        config_map.to_config(config, keys, steps=3)
+
+
 @pytest.mark.parametrize("override,named", [
     ("rollout_engine=vllm", "rollout_engine='vllm'"),
-    ("grpo_config.num_iterations=2", "grpo_config.num_iterations=2"),
     ("offload_to_cpu=true", "offload_to_cpu=True"),
     ("rollout_config.seed=3", "rollout_config.seed=3"),
     ("rl_training_config.mini_batch_size=1", "rl_training_config.mini_batch_size=1"),

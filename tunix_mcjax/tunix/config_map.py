@@ -73,6 +73,7 @@ HONOURED: dict[str, str] = {
     "grpo_config.epsilon": "grpo_epsilon",
     "grpo_config.loss_algo": "loss_algo",
     "grpo_config.loss_agg_mode": "loss_agg_mode",
+    "grpo_config.num_iterations": "num_iterations (updates per batch; max_steps counts updates)",
     # Rollout (sampling on each host's engine).
     "rollout_config.total_generation_steps": "max_target_length - max_prefill_predict_length",
     "rollout_config.max_prompt_length": "max_prefill_predict_length (longer prompts dropped)",
@@ -93,7 +94,6 @@ HONOURED_VALUES: dict[str, tuple[Any, ...]] = {
     "rl_training_config.perf_metrics_options": ({}, None),
     "rl_training_config.profiler_options": ({}, None),
     "rl_training_config.max_seq_token_per_tpu": (None,),
-    "grpo_config.num_iterations": (1,),
     "grpo_config.advantage_estimator": ("grpo",),
     "grpo_config.algo_variant": ("grpo",),
     "grpo_config.policy_loss_fn": ("grpo",),
@@ -132,8 +132,6 @@ NOT_APPLICABLE_SECTIONS: dict[str, str] = {
 }
 # Why other keys users are likely to set are refused, and what to do.
 REFUSED: dict[str, str] = {
-    "grpo_config.num_iterations": "several updates per batch (GRPO mu > 1) are not implemented "
-                                  "here; use 1",
     "rollout_engine": "each host decodes with this runtime's engine over Tunix Qwen3 (the "
                       "vanilla sampler's math); use rollout_engine=vanilla",
     "offload_to_cpu": "params stay on the devices; use false",
@@ -362,13 +360,22 @@ def to_config(config: Mapping[str, Any], model: dict[str, Any], steps: int) -> C
         raise ConfigError(f"model_config.remat_config={actor['remat_config']}: "
                           f"{REFUSED['model_config.remat_config']}")
     max_prompt = int(rollout["max_prompt_length"])
+    # Tunix's max_steps and eval_every_n_steps count actor updates: num_iterations per batch.
+    iterations = int(grpo.get("num_iterations", 1))
+    eval_every = int(training["eval_every_n_steps"])
+    if iterations > 1 and config.get("num_test_batches") and eval_every % iterations:
+        raise ConfigError(
+            f"rl_training_config.eval_every_n_steps={eval_every} counts actor updates, "
+            f"{iterations} per batch (grpo_config.num_iterations): make it a multiple of "
+            f"{iterations}, so evaluations fall between batches")
     values = {
         "rl_runtime": "mcjax",
         "run_name": run_name,
         "base_output_directory": base,
         "seed": int(actor.get("rng_seed", 0)),
         "init_weights_seed": int(actor.get("rng_seed", 0)),
-        "steps": steps,
+        "steps": -(-steps // iterations),  # Tunix stops at the first batch reaching max_steps
+        "num_iterations": iterations,
         "log_period": int(logging_options.get("flush_every_n_steps") or 1),
         "enable_checkpointing": bool(training.get("checkpoint_root_directory")),
         "checkpoint_directory": str(training.get("checkpoint_root_directory") or ""),
@@ -400,7 +407,7 @@ def to_config(config: Mapping[str, Any], model: dict[str, Any], steps: int) -> C
         "loss_algo": grpo.get("loss_algo", "grpo"),
         "loss_agg_mode": grpo.get("loss_agg_mode", "sequence-mean-token-mean"),
         "num_test_batches": int(config.get("num_test_batches") or 0),
-        "eval_interval": int(training["eval_every_n_steps"]),
+        "eval_interval": eval_every // iterations,
         "eval_schedule": "tunix",
         "enable_tensorboard": True,
         "profiler": "xplane" if profiler else "",
