@@ -4,6 +4,7 @@ Tunix's LoRA update on 2 hosts, publish, non-finite steps, checkpoints, and the 
 from __future__ import annotations
 
 import types
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -12,8 +13,9 @@ from flax import nnx
 from tunix.cli.utils.model import apply_lora_to_model
 from tunix.rl import algo_core, common
 
-from tests.mp import REPO, TINY, launch_worker
+from tests.mp import REPO, TINY, launch, launch_worker, read_jsonl
 from tunix_mcjax import lora, models
+from tunix_mcjax.checkpoint import Checkpointer
 from tunix_mcjax.config import ConfigError, load_config
 
 TUNIX_MODULE_PATH = ".*q_einsum|.*kv_einsum|.*gate_proj|.*down_proj|.*up_proj|.*attn_vec_einsum"
@@ -109,7 +111,7 @@ def lora_steps(tmp_path_factory):
     proc = launch_worker("tests.workers.lora_update", "recipes/cpu/demo.yml",
                          [*UPDATE, f"base_output_directory={out}", "run_name=lora"])
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return dict(np.load(out / "lora" / "lora.npz"))
+    return {**np.load(out / "lora" / "lora.npz"), "run_dir": np.array(str(out / "lora-run"))}
 
 
 def tunix_lora_grads(cfg, npz, case: str) -> tuple[float, dict[str, np.ndarray]]:
@@ -215,3 +217,64 @@ def test_checkpoint_saves_and_restores_the_adapters(lora_steps):
     load_parameters_path or init_weights_seed); a restore gives them back exactly."""
     assert lora_steps["checkpoint_keys_equal_adapters"]
     assert lora_steps["restored_equal"]
+
+
+# --- the colocated runtime with LoRA (python -m tunix_mcjax.launch, 2 hosts x 2 devices) ----
+
+def _checkpoint_params(run_dir, step: int) -> list[str]:
+    ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=2)
+    tree = ckpt.manager.item_metadata(step)["params"]
+    ckpt.close()
+    return ["/".join(str(getattr(k, "key", k)) for k in path).removesuffix("/value")
+            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
+def test_lora_run_publishes_and_checkpoints_adapters(lora_steps):
+    """The colocated runtime with LoRA (the worker's 2-step run): every step applied, its last
+    publish moved the adapters only, its checkpoint holds only adapters."""
+    run = lora_steps["run_dir"].item()
+    steps = read_jsonl(Path(run) / "steps.jsonl")
+    assert [r["step"] for r in steps] == [0, 1] and all(r["finite"] == 1.0 for r in steps)
+    assert lora_steps["run_publish_bytes"] == lora_steps["run_adapter_bytes"] > 0
+    keys = _checkpoint_params(Path(run), 1)
+    assert keys and all(k.endswith(("_lora_a", "_lora_b")) for k in keys)
+
+
+RUN = [*TINY, "batch_size=4", "num_generations=4", "max_target_length=16", "lora_rank=4",
+       "lora_alpha=8", "lora_module_path=.*_proj", "grpo_beta=0.04", "enable_checkpointing=true",
+       "checkpoint_period=2"]
+
+
+def _run(tmp_path, name: str, steps: int) -> str:
+    proc = launch(["--hosts", "2", "--devices-per-host", "2", "recipes/cpu/demo.yml", *RUN,
+                   f"steps={steps}", f"base_output_directory={tmp_path}", f"run_name={name}"])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+@pytest.mark.slow
+def test_lora_resume_matches_uninterrupted_run(tmp_path):
+    """Resumed from a checkpoint of adapters (the base rebuilt from init_weights_seed), a LoRA
+    run continues exactly as the uninterrupted one."""
+    _run(tmp_path, "straight", 4)
+    _run(tmp_path, "resumed", 2)
+    assert "resumed from" in _run(tmp_path, "resumed", 4)
+    straight = read_jsonl(tmp_path / "straight" / "steps.jsonl")
+    resumed = read_jsonl(tmp_path / "resumed" / "steps.jsonl")
+    assert [r["step"] for r in resumed] == [0, 1, 2, 3]
+    for a, b in zip(straight, resumed, strict=True):
+        assert a["loss"] == b["loss"] and a["reward_mean"] == b["reward_mean"]
+
+
+@pytest.mark.parametrize("keys", [["lora.enable_lora=true", "lora.lora_rank=8"],
+                                  ["lora_rank=8"]])
+def test_maxtext_adapter_refuses_lora(keys):
+    """MaxText's policy trains every param: MaxText's `lora.*` keys, or ours, are refused by
+    name before MaxText reads the command line."""
+    pytest.importorskip("maxtext")
+    from tests.test_maxtext_adapter import maxtext_argv
+    from tunix_mcjax.maxtext import checked_config
+
+    with pytest.raises(ConfigError, match=f"{', '.join(keys)}: LoRA is not supported under the "
+                                          "MaxText adapter"):
+        checked_config(maxtext_argv(*keys), {}, 1)

@@ -1,7 +1,8 @@
 """LoRA train steps on 2 hosts: the update per case (as tests/workers/fixed_update.py does it,
 plain SGD, so (initial - final) / LR is the applied gradient), then, with the run's own AdamW:
 the optimizer state's leaves, publishing (whole tree once, then adapters only), a non-finite
-step, and an Orbax save/restore of the adapters. Host 0 writes `lora.npz`.
+step, and an Orbax save/restore of the adapters; last, a 2-step colocated run with LoRA and a
+checkpoint (run `<run_name>-run`). Host 0 writes `lora.npz`.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from tunix_mcjax.engine import Completion
 from tunix_mcjax.engine.jax_engine import JaxEngine, flatten_tree
 from tunix_mcjax.publish import Publisher
 from tunix_mcjax.rewards import group_advantages
+from tunix_mcjax.runtime.colocated import ColocatedRuntime
 from tunix_mcjax.runtime.phases import pack_local
 from tunix_mcjax.trainer import Trainer, qwen3_policy
 
@@ -134,12 +136,22 @@ def run_state(base_cfg, topo, out: dict) -> None:
         _tree_equal(restored["opt_state"], trainer.opt_state)
 
 
+def runtime_run(base_cfg, topo, out: dict) -> None:
+    cfg = base_cfg.replace(**LORA, steps=2, grpo_beta=0.04, max_target_length=16,
+                           enable_checkpointing=True, run_name=f"{base_cfg.run_name}-run")
+    runtime = ColocatedRuntime(cfg, topo)
+    runtime.run()
+    out["run_publish_bytes"] = runtime.publisher.last_bytes
+    out["run_adapter_bytes"] = sum(x.nbytes for x in jax.tree.leaves(runtime.trainer.params))
+
+
 def main() -> None:
     cfg, topo = start()
     out: dict[str, np.ndarray] = {}
     for name in CASES:
         one_case(cfg, topo, name, out)
     run_state(cfg, topo, out)
+    runtime_run(cfg, topo, out)
     if topo.is_leader:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)
         np.savez(cfg.run_dir / "lora.npz", **out)
