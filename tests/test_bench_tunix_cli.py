@@ -13,7 +13,7 @@ import yaml
 from tests.mp import REPO, read_jsonl
 from tunix_mcjax.admission import global_prompt_indices
 from tunix_mcjax.bench import profiles, step
-from tunix_mcjax.bench.tunix_cli_arm import allocate_in_order
+from tunix_mcjax.bench.tunix_cli_arm import allocate_in_order, cli_argv, cli_config
 from tunix_mcjax.config import load_config
 
 STEPS = 2
@@ -86,3 +86,29 @@ def test_step_plans_every_layout_of_the_tunix_cli_arm():
     cmd = runs[0].command(REPO / "recipe.yml", REPO / "out", [])
     assert cmd[:3] == [sys.executable, "-m", "tunix_mcjax.bench.tunix_cli_arm"]
     assert cmd[3:7] == ["--devices", "2", "--layout", "fsdp"]
+
+
+def test_cli_config_carries_the_profile_workload_and_lora_in_run_qwen3_form(tmp_path):
+    recipe = profiles.write_workload(profiles.PROFILES["gsm8k-cpu-lora"], tmp_path)
+    cfg = load_config(recipe, ["run_name=r", f"base_output_directory={tmp_path}"])
+    got = cli_config(cfg, str(recipe), [], tmp_path / "tok")
+    assert got["rl_runtime"] == "default" and got["rollout_engine"] == "vanilla"
+    assert (got["batch_size"], got["num_batches"]) == (4, 40)
+    assert got["grpo_config"]["num_generations"] == 16
+    assert got["rollout_config"] == {"total_generation_steps": 128, "max_prompt_length": 32,
+                                     "temperature": 1.0, "top_p": 1.0, "top_k": None,
+                                     "eos_tokens": [-1]}  # ignore_eos: every completion is 128
+    assert got["reward_functions"] == ["tunix_mcjax.bench.tunix_cli_rewards.gsm8k"]
+    assert "mesh" not in got["reference_model_config"]  # shares the actor's mesh
+    argv = cli_argv(cfg, tmp_path / "c.yaml", 2)
+    assert argv[2:] == [
+        "actor_model_config.mesh.shape=(2,1)", "actor_model_config.mesh.axis_names=('fsdp','tp')",
+        "actor_model_config.lora_config.rank=64", "actor_model_config.lora_config.alpha=64.0",
+        "actor_model_config.lora_config.module_path=.*q_einsum|.*kv_einsum|.*gate_proj"
+        "|.*down_proj|.*up_proj|.*attn_vec_einsum"]
+
+
+def test_cli_config_refuses_a_sampling_strategy_tunix_cli_cannot_express(tmp_path):
+    cfg = load_config(None, ["dataset_name=next_digit", "decode_sampling_strategy=greedy"])
+    with pytest.raises(ValueError, match="decode_sampling_strategy=greedy has no Tunix CLI key"):
+        cli_config(cfg, "recipe.yml", [], tmp_path)

@@ -264,3 +264,17 @@ def test_lora_resume_matches_uninterrupted_run(tmp_path):
     assert [r["step"] for r in resumed] == [0, 1, 2, 3]
     for a, b in zip(straight, resumed, strict=True):
         assert a["loss"] == b["loss"] and a["reward_mean"] == b["reward_mean"]
+
+
+@pytest.mark.parametrize("keys", [["lora.enable_lora=true", "lora.lora_rank=8"],
+                                  ["lora_rank=8"]])
+def test_maxtext_adapter_refuses_lora(keys):
+    """MaxText's policy trains every param: MaxText's `lora.*` keys, or ours, are refused by
+    name before MaxText reads the command line."""
+    pytest.importorskip("maxtext")
+    from tests.test_maxtext_adapter import maxtext_argv
+    from tunix_mcjax.maxtext import checked_config
+
+    with pytest.raises(ConfigError, match=f"{', '.join(keys)}: LoRA is not supported under the "
+                                          "MaxText adapter"):
+        checked_config(maxtext_argv(*keys), {}, 1)

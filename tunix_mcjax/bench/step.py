@@ -312,7 +312,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--balance", action="store_true",
                    help=f"run {', '.join(BALANCE)} on varying output lengths instead of --arms")
     p.add_argument("--tunix-layouts", default="fsdp,one-device",
-                   help="Tunix layouts to try: fsdp, one-device")
+                   help="layouts of the tunix and tunix-cli arms to try: fsdp, one-device")
     p.add_argument("--out", required=True, type=Path, help="output directory (relative path)")
     p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE",
                    help="extra config overrides for every arm")

@@ -79,10 +79,12 @@ def cli_config(cfg, recipe: str, overrides: list[str], tokenizer_dir: Path) -> d
              "model_path": "", "model_download_path": "", "rng_seed": cfg.init_weights_seed,
              "model_display": False, "intermediate_ckpt_dir": str(cfg.run_dir / "unused_ckpt"),
              "use_flash_attention": False, "lora_config": {}}
-    warmup = int(cfg.warmup_steps_fraction * cfg.steps)
+    if cfg.decode_sampling_strategy != "weighted":
+        raise ValueError(f"tunix-cli arm: decode_sampling_strategy={cfg.decode_sampling_strategy}"
+                         " has no Tunix CLI key (its rollout samples); use weighted")
     optimizer = {"opt_type": "adamw", "schedule_type": "warmup_constant_schedule",
                  "init_value": 0.0, "peak_value": cfg.learning_rate,
-                 "warmup_steps": max(warmup, 1) if warmup else 0, "b1": cfg.adam_b1,
+                 "warmup_steps": int(cfg.warmup_steps_fraction * cfg.steps), "b1": cfg.adam_b1,
                  "b2": cfg.adam_b2, "eps": cfg.adam_eps, "weight_decay": cfg.adam_weight_decay}
     rollout = {"total_generation_steps": cfg.max_completion_length,
                "max_prompt_length": cfg.max_prefill_predict_length,

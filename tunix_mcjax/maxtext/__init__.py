@@ -89,6 +89,7 @@ def checked_config(argv: Sequence[str], kwargs: dict,
     ConfigError naming every setting this runtime cannot honour, before anything is built."""
     from tunix_mcjax.maxtext import config_map, data
 
+    config_map.refuse_lora(argv, kwargs)
     argv, kwargs, engine = config_map.pop_rollout_engine(argv, kwargs)
     config, default = load_maxtext_config(argv, kwargs)
     engine = engine or config_map.rollout_engine_for(config)

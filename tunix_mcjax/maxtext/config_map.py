@@ -230,6 +230,23 @@ def pop_rollout_engine(argv: Sequence[str], kwargs: dict
     return [a for a in argv if not a.startswith(prefix)], kwargs, (values[-1] if values else None)
 
 
+# LoRA: MaxText's RL config has no LoRA keys (its SFT's `lora.*` section, or ours).
+LORA_KEYS = ("lora.", "enable_lora=", "lora_rank=", "lora_alpha=", "lora_module_path=")
+
+
+def refuse_lora(argv: Sequence[str], kwargs: dict) -> None:
+    """Raises ConfigError when the MaxText command line asks for LoRA (MaxText's policy
+    trains every param here; LoRA runs through Tunix's CLI or tunix_mcjax.launch)."""
+    asked = [a for a in argv if a.startswith(LORA_KEYS)] + \
+        [f"{k}={v}" for k, v in kwargs.items() if f"{k}=".startswith(LORA_KEYS)]
+    if asked:
+        raise ConfigError(
+            f"{', '.join(asked)}: LoRA is not supported under the MaxText adapter (MaxText's "
+            "policy trains every param). Run LoRA through Tunix's CLI (python -m "
+            "tunix.cli.grpo_main ... rl_runtime=mcjax with lora_config.*) or tunix_mcjax.launch "
+            "with lora_rank, lora_alpha, lora_module_path.")
+
+
 def vllm_values(config: Any) -> dict[str, Any]:
     """Our Config values of MaxText's vLLM keys; None or {} keep our default (vLLM's)."""
     out: dict[str, Any] = {}
@@ -254,9 +271,6 @@ REFUSED: dict[str, str] = {
     "async_checkpointing": "checkpoints are saved synchronously",
     "quantization": "quantized training is not supported",
     "rope_max_timescale": "the engine's Qwen3 forward rotates with theta 1e6 (Tunix's)",
-    "lora": "LoRA is not supported under the MaxText adapter (MaxText's policy trains every "
-            "param); for LoRA run Tunix's CLI with rl_runtime=mcjax, or lora_rank on "
-            "tunix_mcjax.launch",
 }
 
 # MaxText nested sections that mirror flat keys; compared through the flat keys (and `rl.*`).
