@@ -26,6 +26,11 @@ if TYPE_CHECKING:
     from tunix_mcjax.trainer import Trainer
 
 
+def tree_bytes(tree: Any) -> int:
+    """Bytes of every leaf of a param tree (arrays or shape/dtype structs)."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
+
+
 def _nest(path: tuple, leaf: Any) -> dict:
     """A one-leaf partial tree: ('layers', 0, 'attn', ...) -> {'layers': {0: {...: leaf}}}."""
     tree = leaf
@@ -55,8 +60,7 @@ class Publisher:
     def publish(self, engine_params: dict, engine: Engine, gathered: bool = False) -> None:
         """Loads `engine_params` (global arrays) into `engine`; `gathered`: they are already
         replicated over the mesh."""
-        self.last_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-                              for x in jax.tree.leaves(engine_params))
+        self.last_bytes = tree_bytes(engine_params)
         with jax.set_mesh(self.mesh):
             if self.single_call:
                 engine.load_weights(self._gather(engine_params, gathered))
