@@ -193,17 +193,17 @@ def test_lora_update_equals_tunix(lora_steps, case):
 
 
 def test_optimizer_state_is_the_adapters_only(lora_steps):
-    assert lora_steps["opt_mu_keys_equal_adapters"]
-    # AdamW's mu and nu, plus scalar counts: nothing of the base.
-    assert lora_steps["opt_state_elements"] < 2 * lora_steps["adapter_elements"] + 8
+    """The LoRA run's AdamW moments have exactly the adapters' leaves; nothing of the base."""
+    assert lora_steps["opt_moment_keys_equal_adapters"]
+    assert lora_steps["opt_state_elements"] < 2 * lora_steps["run_adapter_elements"] + 8
 
 
 def test_publish_moves_adapters_after_the_first(lora_steps):
-    """The first publish loads base + adapters; later ones only the adapters, and every engine
-    replica then holds exactly the trainer's base + adapters."""
-    first, after = int(lora_steps["publish_bytes_first"]), int(lora_steps["publish_bytes_after"])
-    assert after == 4 * lora_steps["adapter_elements"]  # fp32 adapters
-    assert after < first
+    """The runtime's first publish loads base + adapters; later ones only the adapters, and every
+    engine replica then holds exactly the trainer's base + adapters."""
+    first, later = int(lora_steps["run_first_publish_bytes"]), int(lora_steps["run_publish_bytes"])
+    assert later == lora_steps["run_adapter_bytes"] == 4 * lora_steps["run_adapter_elements"]
+    assert later < first
     assert lora_steps["engine_equals_trainer"]
 
 
@@ -211,15 +211,6 @@ def test_nonfinite_step_leaves_adapters_and_state_unchanged(lora_steps):
     assert lora_steps["nonfinite_finite"] == 0.0
     assert lora_steps["nonfinite_unchanged"]
 
-
-def test_checkpoint_saves_and_restores_the_adapters(lora_steps):
-    """Checkpoints hold the adapters and their optimizer state (the base is rebuilt from
-    load_parameters_path or init_weights_seed); a restore gives them back exactly."""
-    assert lora_steps["checkpoint_keys_equal_adapters"]
-    assert lora_steps["restored_equal"]
-
-
-# --- the colocated runtime with LoRA (python -m tunix_mcjax.launch, 2 hosts x 2 devices) ----
 
 def _checkpoint_params(run_dir, step: int) -> list[str]:
     ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=2)
@@ -229,16 +220,19 @@ def _checkpoint_params(run_dir, step: int) -> list[str]:
             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def test_lora_run_publishes_and_checkpoints_adapters(lora_steps):
-    """The colocated runtime with LoRA (the worker's 2-step run): every step applied, its last
-    publish moved the adapters only, its checkpoint holds only adapters."""
-    run = lora_steps["run_dir"].item()
-    steps = read_jsonl(Path(run) / "steps.jsonl")
+def test_lora_run_checkpoints_the_adapters(lora_steps):
+    """The LoRA run applied every step; its checkpoint holds only the adapters and their
+    optimizer state (the base is rebuilt from load_parameters_path or init_weights_seed), and
+    restores them exactly."""
+    run = Path(lora_steps["run_dir"].item())
+    steps = read_jsonl(run / "steps.jsonl")
     assert [r["step"] for r in steps] == [0, 1] and all(r["finite"] == 1.0 for r in steps)
-    assert lora_steps["run_publish_bytes"] == lora_steps["run_adapter_bytes"] > 0
-    keys = _checkpoint_params(Path(run), 1)
+    keys = _checkpoint_params(run, 1)
     assert keys and all(k.endswith(("_lora_a", "_lora_b")) for k in keys)
+    assert lora_steps["restored_equal"]
 
+
+# --- resume through the launcher (python -m tunix_mcjax.launch, 2 hosts x 2 devices) --------
 
 RUN = [*TINY, "batch_size=4", "num_generations=4", "max_target_length=16", "lora_rank=4",
        "lora_alpha=8", "lora_module_path=.*_proj", "grpo_beta=0.04", "enable_checkpointing=true",
