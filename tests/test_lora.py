@@ -3,6 +3,7 @@ Tunix's LoRA update on 2 hosts, publish, non-finite steps, checkpoints, and the 
 
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 
@@ -190,6 +191,20 @@ def test_lora_update_equals_tunix(lora_steps, case):
         assert np.abs(want).max() > 0, key  # A and B both have gradients: the check has teeth
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
                                    err_msg=key)
+
+
+def test_flat_lora_step_has_three_collectives_of_adapters(lora_steps):
+    """Under the flat data-parallel step, as without LoRA: one reduce-scatter, one all-reduce,
+    one all-gather per step, and what they move is adapters (the base was gathered once)."""
+    from tests.workers.lora_update import CASES
+
+    flat_cases = [c for c in CASES if bool(lora_steps[f"{c}/flat"])]
+    assert flat_cases
+    for case in flat_cases:
+        found = json.loads(lora_steps[f"{case}/collectives"].item())
+        assert {k: v["count"] for k, v in found.items()} == {
+            "reduce-scatter": 1, "all-reduce": 1, "all-gather": 1, "total": 3}
+        assert found["all-gather"]["bytes"] <= lora_steps[f"{case}/adapter_bytes"]
 
 
 def test_optimizer_state_is_the_adapters_only(lora_steps):

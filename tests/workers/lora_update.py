@@ -1,11 +1,13 @@
 """LoRA on 2 hosts: one train step per case (as tests/workers/fixed_update.py does it, plain
-SGD, so (initial - final) / LR is the applied gradient), then a 2-step colocated run with LoRA
-and a checkpoint (run `<run_name>-run`), and on its trainer, engine and checkpoint: the AdamW
-state's leaves, publish sizes and contents, a non-finite step, the checkpoint's restore.
-Host 0 writes `lora.npz`.
+SGD, so (initial - final) / LR is the applied gradient; for the flat step also its compiled
+collectives), then a 2-step colocated run with LoRA and a checkpoint (run `<run_name>-run`),
+and on its trainer, engine and checkpoint: the AdamW state's leaves, publish sizes and
+contents, a non-finite step, the checkpoint's restore. Host 0 writes `lora.npz`.
 """
 
 from __future__ import annotations
+
+import json
 
 import jax
 import numpy as np
@@ -16,6 +18,7 @@ from jax.experimental import multihost_utils
 from tests.workers.common import start
 from tests.workers.fixed_update import LR, VOCAB, fixed_batch, flat
 from tunix_mcjax import models, topology
+from tunix_mcjax.bench.hlo import collectives
 from tunix_mcjax.checkpoint import Checkpointer
 from tunix_mcjax.engine import Completion
 from tunix_mcjax.engine.jax_engine import flatten_tree
@@ -66,6 +69,10 @@ def one_case(base_cfg, topo, name: str, out: dict) -> None:
     policy, params = qwen3_policy(lora_model(cfg, mesh))
     initial = flat(params)
     trainer = Trainer(cfg, policy, params, mesh, tx=optax.sgd(LR))
+    if trainer.flat is not None:
+        hlo = trainer.lower(trainer.global_batch(local_batch(cfg, topo))).compile().as_text()
+        out[f"{name}/collectives"] = json.dumps(collectives(hlo))
+        out[f"{name}/adapter_bytes"] = sum(x.nbytes for x in jax.tree.leaves(trainer.params))
     metrics = trainer.step(local_batch(cfg, topo))
     adapters, base = flat(trainer.params), flat(trainer.frozen)
     out[f"{name}/loss"] = metrics["loss"]
