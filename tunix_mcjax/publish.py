@@ -14,6 +14,7 @@ adapters: the engine keeps the base). `last_bytes` is the size of the last tree 
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -47,15 +48,15 @@ class Publisher:
         self.gather_calls = 0
         self.load_calls = 0
         self.last_bytes = 0
-        self._has_base: set[int] = set()  # ids of engines given the whole tree
+        self._has_base: weakref.WeakSet[Engine] = weakref.WeakSet()  # given the whole tree
 
     def publish_trainer(self, trainer: Trainer, engine: Engine) -> None:
         """The trainer's params into `engine`: the whole tree the first time, then only the
         trained part (LoRA: the adapters, a partial tree the engine lays over its base)."""
-        first = id(engine) not in self._has_base
+        first = engine not in self._has_base
         self.publish(trainer.engine_params(adapters_only=not first), engine,
                      gathered=trainer.engine_params_gathered)
-        self._has_base.add(id(engine))
+        self._has_base.add(engine)
 
     def publish(self, engine_params: dict, engine: Engine, gathered: bool = False) -> None:
         """Loads `engine_params` (global arrays) into `engine`; `gathered`: they are already
