@@ -17,7 +17,7 @@ from tunix.rl import algo_core, common
 from tests.mp import REPO, TINY, launch, launch_worker, read_jsonl
 from tunix_mcjax import lora, models
 from tunix_mcjax.checkpoint import Checkpointer
-from tunix_mcjax.config import ConfigError, load_config
+from tunix_mcjax.config import Config, ConfigError, load_config
 
 TUNIX_MODULE_PATH = ".*q_einsum|.*kv_einsum|.*gate_proj|.*down_proj|.*up_proj|.*attn_vec_einsum"
 ALL_PROJECTIONS = ".*_proj"
@@ -26,6 +26,11 @@ ALL_PROJECTIONS = ".*_proj"
 def _cfg(*overrides: str):
     return load_config(REPO / "recipes/cpu/demo.yml", [*TINY, "base_num_decoder_layers=2",
                                                         *overrides])
+
+
+def _without_lora(cfg: Config) -> Config:
+    return cfg.replace(lora_rank=0, lora_alpha=Config.lora_alpha,
+                       lora_module_path=Config.lora_module_path)
 
 
 def _flat(state) -> dict[str, np.ndarray]:
@@ -38,7 +43,7 @@ def test_adapters_equal_tunix_cli_lora(module_path):
     CLI path (qwix.LoraProvider + qwix.apply_lora_to_model) on the same base model."""
     cfg = _cfg("lora_rank=4", "lora_alpha=8", f"lora_module_path={module_path}")
     mc = models.model_config(cfg, 40)
-    base = models.create_model(models.model_config(cfg.replace(lora_rank=0), 40), seed=5)
+    base = models.create_model(models.model_config(_without_lora(cfg), 40), seed=5)
     tunix = apply_lora_to_model(base, None, {"rank": 4, "alpha": 8.0, "module_path": module_path})
     ours = lora.add_adapters(models.create_model(mc, seed=5))
     want, got = _flat(nnx.state(tunix, nnx.LoRAParam)), _flat(nnx.state(ours, nnx.LoRAParam))
@@ -59,7 +64,7 @@ def test_forward_equals_tunix_lora_model():
     from tunix_mcjax.trainer import qwen3_policy
 
     cfg = _cfg("lora_rank=4", "lora_alpha=8", f"lora_module_path={ALL_PROJECTIONS}")
-    base = models.create_model(models.model_config(cfg.replace(lora_rank=0), 40), seed=5)
+    base = models.create_model(models.model_config(_without_lora(cfg), 40), seed=5)
     tunix = apply_lora_to_model(base, None, {"rank": 4, "alpha": 8.0,
                                              "module_path": ALL_PROJECTIONS})
     for i, (_, v) in enumerate(nnx.to_flat_state(nnx.state(tunix, nnx.LoRAParam))):
@@ -79,6 +84,7 @@ def test_forward_equals_tunix_lora_model():
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["lora_rank=-1"], "lora_rank must be >= 0"),
+    (["lora_alpha=16"], "lora_alpha configure LoRA, but lora_rank=0"),
     (["lora_rank=4", "lora_alpha=0"], "lora_alpha must be a finite number > 0"),
     (["lora_rank=4", "lora_module_path=(("], "is not a regex"),
     (["lora_rank=4", "rollout_engine=vllm", "rl_publish_weights_single_call=true"],
@@ -130,7 +136,7 @@ def tunix_lora_grads(cfg, npz, case: str) -> tuple[float, dict[str, np.ndarray]]
 
     g = cfg.num_generations
     prompts, completions, rewards = fixed_batch(cfg.batch_size, g)
-    base = load(models.create_model(models.model_config(cfg.replace(lora_rank=0), VOCAB), 1))
+    base = load(models.create_model(models.model_config(_without_lora(cfg), VOCAB), 1))
     actor = load(apply_lora_to_model(base, None, {"rank": cfg.lora_rank,
                                                   "alpha": cfg.lora_alpha,
                                                   "module_path": cfg.lora_module_path}))
