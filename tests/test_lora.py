@@ -3,6 +3,7 @@ Tunix's LoRA update on 2 hosts, publish, non-finite steps, checkpoints, and the 
 
 from __future__ import annotations
 
+import json
 import types
 from pathlib import Path
 
@@ -16,7 +17,7 @@ from tunix.rl import algo_core, common
 from tests.mp import REPO, TINY, launch, launch_worker, read_jsonl
 from tunix_mcjax import lora, models
 from tunix_mcjax.checkpoint import Checkpointer
-from tunix_mcjax.config import ConfigError, load_config
+from tunix_mcjax.config import Config, ConfigError, load_config
 
 TUNIX_MODULE_PATH = ".*q_einsum|.*kv_einsum|.*gate_proj|.*down_proj|.*up_proj|.*attn_vec_einsum"
 ALL_PROJECTIONS = ".*_proj"
@@ -25,6 +26,11 @@ ALL_PROJECTIONS = ".*_proj"
 def _cfg(*overrides: str):
     return load_config(REPO / "recipes/cpu/demo.yml", [*TINY, "base_num_decoder_layers=2",
                                                         *overrides])
+
+
+def _without_lora(cfg: Config) -> Config:
+    return cfg.replace(lora_rank=0, lora_alpha=Config.lora_alpha,
+                       lora_module_path=Config.lora_module_path)
 
 
 def _flat(state) -> dict[str, np.ndarray]:
@@ -37,7 +43,7 @@ def test_adapters_equal_tunix_cli_lora(module_path):
     CLI path (qwix.LoraProvider + qwix.apply_lora_to_model) on the same base model."""
     cfg = _cfg("lora_rank=4", "lora_alpha=8", f"lora_module_path={module_path}")
     mc = models.model_config(cfg, 40)
-    base = models.create_model(models.model_config(cfg.replace(lora_rank=0), 40), seed=5)
+    base = models.create_model(models.model_config(_without_lora(cfg), 40), seed=5)
     tunix = apply_lora_to_model(base, None, {"rank": 4, "alpha": 8.0, "module_path": module_path})
     ours = lora.add_adapters(models.create_model(mc, seed=5))
     want, got = _flat(nnx.state(tunix, nnx.LoRAParam)), _flat(nnx.state(ours, nnx.LoRAParam))
@@ -58,7 +64,7 @@ def test_forward_equals_tunix_lora_model():
     from tunix_mcjax.trainer import qwen3_policy
 
     cfg = _cfg("lora_rank=4", "lora_alpha=8", f"lora_module_path={ALL_PROJECTIONS}")
-    base = models.create_model(models.model_config(cfg.replace(lora_rank=0), 40), seed=5)
+    base = models.create_model(models.model_config(_without_lora(cfg), 40), seed=5)
     tunix = apply_lora_to_model(base, None, {"rank": 4, "alpha": 8.0,
                                              "module_path": ALL_PROJECTIONS})
     for i, (_, v) in enumerate(nnx.to_flat_state(nnx.state(tunix, nnx.LoRAParam))):
@@ -78,6 +84,7 @@ def test_forward_equals_tunix_lora_model():
 
 @pytest.mark.parametrize(("overrides", "message"), [
     (["lora_rank=-1"], "lora_rank must be >= 0"),
+    (["lora_alpha=16"], "lora_alpha configure LoRA, but lora_rank=0"),
     (["lora_rank=4", "lora_alpha=0"], "lora_alpha must be a finite number > 0"),
     (["lora_rank=4", "lora_module_path=(("], "is not a regex"),
     (["lora_rank=4", "rollout_engine=vllm", "rl_publish_weights_single_call=true"],
@@ -129,7 +136,7 @@ def tunix_lora_grads(cfg, npz, case: str) -> tuple[float, dict[str, np.ndarray]]
 
     g = cfg.num_generations
     prompts, completions, rewards = fixed_batch(cfg.batch_size, g)
-    base = load(models.create_model(models.model_config(cfg.replace(lora_rank=0), VOCAB), 1))
+    base = load(models.create_model(models.model_config(_without_lora(cfg), VOCAB), 1))
     actor = load(apply_lora_to_model(base, None, {"rank": cfg.lora_rank,
                                                   "alpha": cfg.lora_alpha,
                                                   "module_path": cfg.lora_module_path}))
@@ -192,18 +199,32 @@ def test_lora_update_equals_tunix(lora_steps, case):
                                    err_msg=key)
 
 
+def test_flat_lora_step_has_three_collectives_of_adapters(lora_steps):
+    """Under the flat data-parallel step, as without LoRA: one reduce-scatter, one all-reduce,
+    one all-gather per step, and what they move is adapters (the base was gathered once)."""
+    from tests.workers.lora_update import CASES
+
+    flat_cases = [c for c in CASES if bool(lora_steps[f"{c}/flat"])]
+    assert flat_cases
+    for case in flat_cases:
+        found = json.loads(lora_steps[f"{case}/collectives"].item())
+        assert {k: v["count"] for k, v in found.items()} == {
+            "reduce-scatter": 1, "all-reduce": 1, "all-gather": 1, "total": 3}
+        assert found["all-gather"]["bytes"] <= lora_steps[f"{case}/adapter_bytes"]
+
+
 def test_optimizer_state_is_the_adapters_only(lora_steps):
-    assert lora_steps["opt_mu_keys_equal_adapters"]
-    # AdamW's mu and nu, plus scalar counts: nothing of the base.
-    assert lora_steps["opt_state_elements"] < 2 * lora_steps["adapter_elements"] + 8
+    """The LoRA run's AdamW moments have exactly the adapters' leaves; nothing of the base."""
+    assert lora_steps["opt_moment_keys_equal_adapters"]
+    assert lora_steps["opt_state_elements"] < 2 * lora_steps["run_adapter_elements"] + 8
 
 
 def test_publish_moves_adapters_after_the_first(lora_steps):
-    """The first publish loads base + adapters; later ones only the adapters, and every engine
-    replica then holds exactly the trainer's base + adapters."""
-    first, after = int(lora_steps["publish_bytes_first"]), int(lora_steps["publish_bytes_after"])
-    assert after == 4 * lora_steps["adapter_elements"]  # fp32 adapters
-    assert after < first
+    """The runtime's first publish loads base + adapters; later ones only the adapters, and every
+    engine replica then holds exactly the trainer's base + adapters."""
+    first, later = int(lora_steps["run_first_publish_bytes"]), int(lora_steps["run_publish_bytes"])
+    assert later == lora_steps["run_adapter_bytes"] == 4 * lora_steps["run_adapter_elements"]
+    assert later < first
     assert lora_steps["engine_equals_trainer"]
 
 
@@ -211,15 +232,6 @@ def test_nonfinite_step_leaves_adapters_and_state_unchanged(lora_steps):
     assert lora_steps["nonfinite_finite"] == 0.0
     assert lora_steps["nonfinite_unchanged"]
 
-
-def test_checkpoint_saves_and_restores_the_adapters(lora_steps):
-    """Checkpoints hold the adapters and their optimizer state (the base is rebuilt from
-    load_parameters_path or init_weights_seed); a restore gives them back exactly."""
-    assert lora_steps["checkpoint_keys_equal_adapters"]
-    assert lora_steps["restored_equal"]
-
-
-# --- the colocated runtime with LoRA (python -m tunix_mcjax.launch, 2 hosts x 2 devices) ----
 
 def _checkpoint_params(run_dir, step: int) -> list[str]:
     ckpt = Checkpointer(run_dir / "checkpoints", max_to_keep=2)
@@ -229,16 +241,19 @@ def _checkpoint_params(run_dir, step: int) -> list[str]:
             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
-def test_lora_run_publishes_and_checkpoints_adapters(lora_steps):
-    """The colocated runtime with LoRA (the worker's 2-step run): every step applied, its last
-    publish moved the adapters only, its checkpoint holds only adapters."""
-    run = lora_steps["run_dir"].item()
-    steps = read_jsonl(Path(run) / "steps.jsonl")
+def test_lora_run_checkpoints_the_adapters(lora_steps):
+    """The LoRA run applied every step; its checkpoint holds only the adapters and their
+    optimizer state (the base is rebuilt from load_parameters_path or init_weights_seed), and
+    restores them exactly."""
+    run = Path(lora_steps["run_dir"].item())
+    steps = read_jsonl(run / "steps.jsonl")
     assert [r["step"] for r in steps] == [0, 1] and all(r["finite"] == 1.0 for r in steps)
-    assert lora_steps["run_publish_bytes"] == lora_steps["run_adapter_bytes"] > 0
-    keys = _checkpoint_params(Path(run), 1)
+    keys = _checkpoint_params(run, 1)
     assert keys and all(k.endswith(("_lora_a", "_lora_b")) for k in keys)
+    assert lora_steps["restored_equal"]
 
+
+# --- resume through the launcher (python -m tunix_mcjax.launch, 2 hosts x 2 devices) --------
 
 RUN = [*TINY, "batch_size=4", "num_generations=4", "max_target_length=16", "lora_rank=4",
        "lora_alpha=8", "lora_module_path=.*_proj", "grpo_beta=0.04", "enable_checkpointing=true",

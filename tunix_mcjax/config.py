@@ -593,6 +593,11 @@ def _validate_lora(cfg: Config) -> None:
     if cfg.lora_rank < 0:
         raise ConfigError(f"lora_rank must be >= 0 (0: full fine-tuning), got {cfg.lora_rank}")
     if not cfg.lora_rank:
+        changed = [k for k in ("lora_alpha", "lora_module_path")
+                   if getattr(cfg, k) != _FIELDS[k].default]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} configure LoRA, but lora_rank=0 (full "
+                              "fine-tuning): set lora_rank > 0, or drop them")
         return
     if not cfg.lora_alpha > 0 or cfg.lora_alpha == float("inf"):
         raise ConfigError(f"lora_alpha must be a finite number > 0 (scale = alpha / rank), got "

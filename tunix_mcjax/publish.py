@@ -14,6 +14,7 @@ adapters: the engine keeps the base). `last_bytes` is the size of the last tree 
 
 from __future__ import annotations
 
+import weakref
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -24,6 +25,11 @@ from tunix_mcjax.engine import Engine
 
 if TYPE_CHECKING:
     from tunix_mcjax.trainer import Trainer
+
+
+def tree_bytes(tree: Any) -> int:
+    """Bytes of every leaf of a param tree (arrays or shape/dtype structs)."""
+    return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
 def _nest(path: tuple, leaf: Any) -> dict:
@@ -42,21 +48,20 @@ class Publisher:
         self.gather_calls = 0
         self.load_calls = 0
         self.last_bytes = 0
-        self._has_base: set[int] = set()  # ids of engines given the whole tree
+        self._has_base: weakref.WeakSet[Engine] = weakref.WeakSet()  # given the whole tree
 
     def publish_trainer(self, trainer: Trainer, engine: Engine) -> None:
         """The trainer's params into `engine`: the whole tree the first time, then only the
         trained part (LoRA: the adapters, a partial tree the engine lays over its base)."""
-        first = id(engine) not in self._has_base
+        first = engine not in self._has_base
         self.publish(trainer.engine_params(adapters_only=not first), engine,
                      gathered=trainer.engine_params_gathered)
-        self._has_base.add(id(engine))
+        self._has_base.add(engine)
 
     def publish(self, engine_params: dict, engine: Engine, gathered: bool = False) -> None:
         """Loads `engine_params` (global arrays) into `engine`; `gathered`: they are already
         replicated over the mesh."""
-        self.last_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
-                              for x in jax.tree.leaves(engine_params))
+        self.last_bytes = tree_bytes(engine_params)
         with jax.set_mesh(self.mesh):
             if self.single_call:
                 engine.load_weights(self._gather(engine_params, gathered))

@@ -1,11 +1,13 @@
-"""LoRA train steps on 2 hosts: the update per case (as tests/workers/fixed_update.py does it,
-plain SGD, so (initial - final) / LR is the applied gradient), then, with the run's own AdamW:
-the optimizer state's leaves, publishing (whole tree once, then adapters only), a non-finite
-step, and an Orbax save/restore of the adapters; last, a 2-step colocated run with LoRA and a
-checkpoint (run `<run_name>-run`). Host 0 writes `lora.npz`.
+"""LoRA on 2 hosts: one train step per case (as tests/workers/fixed_update.py does it, plain
+SGD, so (initial - final) / LR is the applied gradient; for the flat step also its compiled
+collectives), then a 2-step colocated run with LoRA and a checkpoint (run `<run_name>-run`),
+and on its trainer, engine and checkpoint: the AdamW state's leaves, publish sizes and
+contents, a non-finite step, the checkpoint's restore. Host 0 writes `lora.npz`.
 """
 
 from __future__ import annotations
+
+import json
 
 import jax
 import numpy as np
@@ -16,10 +18,10 @@ from jax.experimental import multihost_utils
 from tests.workers.common import start
 from tests.workers.fixed_update import LR, VOCAB, fixed_batch, flat
 from tunix_mcjax import models, topology
+from tunix_mcjax.bench.hlo import collectives
 from tunix_mcjax.checkpoint import Checkpointer
 from tunix_mcjax.engine import Completion
-from tunix_mcjax.engine.jax_engine import JaxEngine, flatten_tree
-from tunix_mcjax.publish import Publisher
+from tunix_mcjax.engine.jax_engine import flatten_tree
 from tunix_mcjax.rewards import group_advantages
 from tunix_mcjax.runtime.colocated import ColocatedRuntime
 from tunix_mcjax.runtime.phases import pack_local
@@ -30,10 +32,8 @@ CASES = {
     "flat-seq-b01-t07": dict(fsdp_gather_params_once="true", grpo_beta=0.1,
                              loss_agg_mode="sequence-mean-token-mean",
                              decode_sampling_temperature=0.7),
-    "sharded-tok-b01-t1": dict(fsdp_gather_params_once="false", grpo_beta=0.1,
-                               loss_agg_mode="token-mean", decode_sampling_temperature=1.0),
-    "flat-micro-tok-b0": dict(fsdp_gather_params_once="true", grpo_beta=0.0,
-                              loss_agg_mode="token-mean", train_micro_batch_size=1),
+    "sharded-micro-tok-b01": dict(fsdp_gather_params_once="false", grpo_beta=0.1,
+                                  loss_agg_mode="token-mean", train_micro_batch_size=1),
 }
 
 
@@ -69,6 +69,10 @@ def one_case(base_cfg, topo, name: str, out: dict) -> None:
     policy, params = qwen3_policy(lora_model(cfg, mesh))
     initial = flat(params)
     trainer = Trainer(cfg, policy, params, mesh, tx=optax.sgd(LR))
+    if trainer.flat is not None:
+        hlo = trainer.lower(trainer.global_batch(local_batch(cfg, topo))).compile().as_text()
+        out[f"{name}/collectives"] = json.dumps(collectives(hlo))
+        out[f"{name}/adapter_bytes"] = sum(x.nbytes for x in jax.tree.leaves(trainer.params))
     metrics = trainer.step(local_batch(cfg, topo))
     adapters, base = flat(trainer.params), flat(trainer.frozen)
     out[f"{name}/loss"] = metrics["loss"]
@@ -89,31 +93,27 @@ def _leaves(tree) -> list[np.ndarray]:
 
 
 def _tree_equal(a, b) -> bool:
-    return all(np.array_equal(x, y) for x, y in zip(_leaves(a), _leaves(b), strict=True))
+    return all(np.array_equal(x, y, equal_nan=True)
+               for x, y in zip(_leaves(a), _leaves(b), strict=True))
 
 
-def run_state(base_cfg, topo, out: dict) -> None:
-    """AdamW state, publish sizes and contents, a non-finite step, save and restore."""
-    cfg = base_cfg.replace(**LORA, **CASES["flat-seq-b01-t07"])
-    mesh = topology.trainer_mesh(topo)
-    policy, params = qwen3_policy(lora_model(cfg, mesh))
-    trainer = Trainer(cfg, policy, params, mesh)
+def runtime_run(base_cfg, topo, out: dict) -> None:
+    """The colocated runtime with LoRA for 2 steps, then checks on what it holds."""
+    cfg = base_cfg.replace(**LORA, steps=2, grpo_beta=0.04, enable_checkpointing=True,
+                           run_name=f"{base_cfg.run_name}-run")
+    runtime = ColocatedRuntime(cfg, topo)
+    out["run_first_publish_bytes"] = runtime.publisher.last_bytes
+    runtime.run()
+    trainer, engine = runtime.trainer, runtime.engine
+    out["run_publish_bytes"] = runtime.publisher.last_bytes
+    out["run_adapter_bytes"] = sum(x.nbytes for x in jax.tree.leaves(trainer.params))
+    out["run_adapter_elements"] = sum(x.size for x in jax.tree.leaves(trainer.params))
     adapter_keys = sorted(flat(trainer.params))
-    mu = [s for s in jax.tree.leaves(trainer.opt_state, is_leaf=lambda x: hasattr(x, "mu"))
-          if hasattr(s, "mu")][0].mu
-    out["opt_mu_keys_equal_adapters"] = sorted(flat(mu)) == adapter_keys
+    adam = [s for s in jax.tree.leaves(trainer.opt_state, is_leaf=lambda x: hasattr(x, "mu"))
+            if hasattr(s, "mu")][0]
+    out["opt_moment_keys_equal_adapters"] = sorted(flat(adam.mu)) == adapter_keys == \
+        sorted(flat(adam.nu))
     out["opt_state_elements"] = sum(x.size for x in jax.tree.leaves(trainer.opt_state))
-    out["adapter_elements"] = sum(x.size for x in jax.tree.leaves(trainer.params))
-    engine = JaxEngine(models.model_config(cfg, VOCAB, for_sampling=True),
-                       list(topo.local_devices), pad_id=0, eos_ids=(2,), max_prompt_length=4,
-                       max_new_tokens=2)
-    publisher = Publisher(mesh, cfg.rl_publish_weights_single_call)
-    publisher.publish_trainer(trainer, engine)
-    out["publish_bytes_first"] = publisher.last_bytes
-    local = local_batch(cfg, topo)
-    trainer.step(local)
-    publisher.publish_trainer(trainer, engine)
-    out["publish_bytes_after"] = publisher.last_bytes
     want = {"/".join(p): np.asarray(x) for p, x in flatten_tree(
         jax.device_get(trainer.engine_params())).items()}
     out["engine_equals_trainer"] = all(
@@ -121,28 +121,17 @@ def run_state(base_cfg, topo, out: dict) -> None:
         for r in range(engine.num_replicas)
         for path, leaf in flatten_tree(engine.weights(r)).items()) and \
         len(flatten_tree(engine.weights(0))) == len(want)
-    before = _leaves((trainer.params, trainer.opt_state))
-    bad = {**local, "advantages": np.full_like(local["advantages"], np.nan)}
-    out["nonfinite_finite"] = trainer.step(bad)["finite"]
-    out["nonfinite_unchanged"] = all(np.array_equal(x, y, equal_nan=True) for x, y in zip(
-        before, _leaves((trainer.params, trainer.opt_state)), strict=True))
-    ckpt = Checkpointer(cfg.run_dir / "checkpoints", max_to_keep=1)
-    ckpt.save(1, {"params": trainer.params, "opt_state": trainer.opt_state}, cfg)
-    fresh = Trainer(cfg, *qwen3_policy(lora_model(cfg, mesh)), mesh)
-    restored = ckpt.restore(1, {"params": fresh.params, "opt_state": fresh.opt_state})
-    ckpt.close()
-    out["checkpoint_keys_equal_adapters"] = sorted(flat(restored["params"])) == adapter_keys
+    checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.max_num_checkpoints_to_keep)
+    restored = checkpointer.restore(1, runtime._train_state())
+    checkpointer.close()
     out["restored_equal"] = _tree_equal(restored["params"], trainer.params) and \
         _tree_equal(restored["opt_state"], trainer.opt_state)
-
-
-def runtime_run(base_cfg, topo, out: dict) -> None:
-    cfg = base_cfg.replace(**LORA, steps=2, grpo_beta=0.04, max_target_length=16,
-                           enable_checkpointing=True, run_name=f"{base_cfg.run_name}-run")
-    runtime = ColocatedRuntime(cfg, topo)
-    runtime.run()
-    out["run_publish_bytes"] = runtime.publisher.last_bytes
-    out["run_adapter_bytes"] = sum(x.nbytes for x in jax.tree.leaves(runtime.trainer.params))
+    before = _leaves((trainer.params, trainer.opt_state))
+    local = local_batch(cfg, topo)
+    out["nonfinite_finite"] = trainer.step(
+        {**local, "advantages": np.full_like(local["advantages"], np.nan)})["finite"]
+    out["nonfinite_unchanged"] = all(np.array_equal(x, y) for x, y in zip(
+        before, _leaves((trainer.params, trainer.opt_state)), strict=True))
 
 
 def main() -> None:
@@ -150,7 +139,6 @@ def main() -> None:
     out: dict[str, np.ndarray] = {}
     for name in CASES:
         one_case(cfg, topo, name, out)
-    run_state(cfg, topo, out)
     runtime_run(cfg, topo, out)
     if topo.is_leader:
         cfg.run_dir.mkdir(parents=True, exist_ok=True)

@@ -231,7 +231,7 @@ def pop_rollout_engine(argv: Sequence[str], kwargs: dict
 
 
 # LoRA: MaxText's RL config has no LoRA keys (its SFT's `lora.*` section, or ours).
-LORA_KEYS = ("lora.", "enable_lora=", "lora_rank=", "lora_alpha=", "lora_module_path=")
+LORA_KEYS = ("lora.", "lora_rank=", "lora_alpha=", "lora_module_path=")
 
 
 def refuse_lora(argv: Sequence[str], kwargs: dict) -> None:
