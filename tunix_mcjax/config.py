@@ -140,10 +140,10 @@ class Config:
     # Adapter scale is lora_alpha / lora_rank (qwix).
     lora_alpha: float = 64.0
     # Regex, fully matched against Tunix Qwen3 module paths such as layers/3/attn/q_proj or
-    # layers/3/mlp/gate_proj (qwix's module_path). Tunix's run_qwen3.sh value (its Gemma
-    # names match nothing in Qwen3, so there it adapts the MLP projections only).
-    lora_module_path: str = (".*q_einsum|.*kv_einsum|.*gate_proj|.*down_proj|.*up_proj"
-                             "|.*attn_vec_einsum")
+    # layers/3/mlp/gate_proj (qwix's module_path). Tunix 0.1.7's run_qwen3.sh value: all seven
+    # projections.
+    lora_module_path: str = (".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj"
+                             "|.*up_proj")
     # --- end LoRA ---
 
     # GRPO loss (MaxText names; Tunix semantics).

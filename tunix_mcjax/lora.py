@@ -102,7 +102,7 @@ def targets(mc: qwen3.ModelConfig, module_path: str) -> list[tuple[int, str, str
         raise ConfigError(
             f"lora_module_path={module_path!r} fully matches none of Tunix Qwen3's projection "
             "modules (e.g. layers/0/attn/q_proj, layers/0/mlp/gate_proj); Tunix's run_qwen3.sh "
-            "uses '.*q_einsum|.*kv_einsum|.*gate_proj|.*down_proj|.*up_proj|.*attn_vec_einsum'")
+            "uses '.*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj|.*up_proj'")
     return out
 
 

@@ -15,11 +15,13 @@ from flax import nnx
 from tunix.models.qwen3 import model as qwen3
 
 from tunix_mcjax import lora, models
-from tunix_mcjax.config import load_config
+from tunix_mcjax.config import Config, load_config
 from tunix_mcjax.publish import tree_bytes
 
-TUNIX_MODULE_PATH = (".*q_einsum|.*kv_einsum|.*gate_proj|.*down_proj|.*up_proj"
-                     "|.*attn_vec_einsum")
+# run_qwen3.sh's module path before Tunix 0.1.7: Gemma's attention names, so on Qwen3 it adapts
+# the MLP projections only.
+GEMMA_NAMES_MODULE_PATH = (".*q_einsum|.*kv_einsum|.*gate_proj|.*down_proj|.*up_proj"
+                           "|.*attn_vec_einsum")
 
 
 def sizes(model_name: str, rank: int, alpha: float, module_path: str, dtype: str) -> dict:
@@ -46,7 +48,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=["qwen3-0.6b", "qwen3-1.7b", "qwen3-8b"])
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--alpha", type=float, default=64.0)
-    parser.add_argument("--module-paths", nargs="+", default=[TUNIX_MODULE_PATH, ".*_proj"])
+    parser.add_argument("--module-paths", nargs="+",
+                        default=[Config.lora_module_path, GEMMA_NAMES_MODULE_PATH])
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
