@@ -31,13 +31,13 @@ import ray
 
 from tunix_mcjax import launch, metrics
 from tunix_mcjax.config import Config
-from tunix_mcjax.runtime import ray_cluster
+from tunix_mcjax.runtime import ray_cluster, reporting
 from tunix_mcjax.runtime.ray_actors import RolloutWorker, TrainerWorker
 from tunix_mcjax.runtime.recovery import NonFinitePolicy
 
-DA_FIELDS = ("trained_on", "batch_versions", "trainer_processes", "puts",
-             "rows_per_device", "weight_load_s", "rollout_restarts", "loss", "grad_norm", "kl",
-             "kl_loss", "finite", "nonfinite_steps")
+# What a step record repeats from the trainer leader's result.
+TRAIN_FIELDS = ("trained_on", "batch_versions", "trainer_processes", "puts", "rows_per_device",
+                "loss", "grad_norm", "kl", "kl_loss", "finite")
 
 
 @dataclasses.dataclass
@@ -159,7 +159,7 @@ def step_record(step: int, rollouts: list[dict], train: dict, restarts: int,
         weights_objects=[r["weights_object"] for r in rollouts],
         weight_load_s=max(r["load_s"] for r in rollouts), rollout_restarts=restarts,
         nonfinite_steps=nonfinite_steps,
-        **{k: train[k] for k in DA_FIELDS if k in train})
+        **{k: train[k] for k in TRAIN_FIELDS if k in train})
     return rec
 
 
@@ -192,6 +192,8 @@ def run(cfg: Config, hosts: int, devices_per_host: int) -> dict:
 
 
 def write_summary(cfg: Config, records: list[dict], hosts: int, devices_per_host: int) -> dict:
+    """summary.json: the colocated summary's fields (step times over steps that compiled
+    nothing), plus the split and the restarts."""
     steady = [r for r in records if not r["compiled"]] or records
     trainers, rollouts = cfg.disaggregated_split(hosts)
 
@@ -212,6 +214,8 @@ def write_summary(cfg: Config, records: list[dict], hosts: int, devices_per_host
         "tokens_generated": int(sum(r["tokens_generated"] for r in records)),
         "compiled_steps": int(sum(r["compiled"] for r in records)),
         "rollout_restarts": records[-1]["rollout_restarts"],
+        "nonfinite_steps": records[-1]["nonfinite_steps"],
     }
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(reporting.summary_table(summary), flush=True)
     return summary
