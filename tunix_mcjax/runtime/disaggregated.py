@@ -89,10 +89,11 @@ class Cluster:
                 ) -> tuple[list, list[dict]]:
         """(batch refs, records) of step `step`; a dead rollout actor is replaced while restarts
         last, and its batch regenerated with the same version and seed."""
+        compiles = step <= 1
         while True:
             try:
                 records = self.wait({f"rollout-{r}": refs[1] for r, refs in pending.items()},
-                                    f"generate step {step}", compiles=step <= 1)
+                                    f"generate step {step}", compiles=compiles)
                 return [pending[r][0] for r in sorted(pending)], [
                     records[f"rollout-{r}"] for r in sorted(pending)]
             except ray_cluster.ActorFailed as e:
@@ -108,6 +109,7 @@ class Cluster:
                 ray_cluster.kill([self.rollouts[index]])
                 self.rollouts[index] = self._rollout(index, len(self.rollouts))
                 pending.update(self.generate(step, version, weights, only=index))
+                compiles = True  # the new actor builds and compiles its engine first
 
     def train(self, step: int, batches: list) -> dict:
         """Starts update `step` on every trainer (trainer r gets its contiguous share of the
