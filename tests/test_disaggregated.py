@@ -143,3 +143,43 @@ def test_launcher_refuses_a_split_the_host_count_cannot_make(capsys):
     assert launch.main(["--hosts", "3", str(REPO / "recipes/cpu/demo.yml"),
                         "rl_runtime=mcjax_da"]) == 2
     assert "1.5 trainer hosts" in capsys.readouterr().err
+
+
+def test_welch_interval_is_scipys_on_log_launch_values():
+    from scipy import stats as st
+
+    from tunix_mcjax.bench import stats
+
+    da, co = [1.1, 1.25, 1.15], [1.0, 1.02, 0.97]
+    ours = stats.welch_log_ratio(da, co)
+    ci = st.ttest_ind(np.log(da), np.log(co), equal_var=False).confidence_interval(0.95)
+    assert np.allclose([ours.low, ours.high], np.exp([ci.low, ci.high]))
+    assert ours.point == pytest.approx(np.exp(np.log(da).mean() - np.log(co).mean()))
+    with pytest.raises(ValueError, match="2 launches"):
+        stats.welch_log_ratio([1.0], co)
+
+
+def _arm(name: str, launches: list[list[float]], reward: float):
+    from tunix_mcjax.bench.equal_work import RunLog
+    from tunix_mcjax.bench.report import ArmRun
+
+    phase = {p: 0.1 for p in ("admit", "generate", "reward", "pack", "train", "publish")}
+    logs = tuple(RunLog(f"{name}-l{i}", tuple(
+        {"step": s, "step_s": t, "compiled": False, "reward_mean": reward, "phase_s": phase}
+        for s, t in enumerate(steps))) for i, steps in enumerate(launches))
+    return ArmRun(name, 2, logs, ({},) * len(logs))
+
+
+def test_da_verdict_needs_welch_and_the_paired_bootstrap_on_one_side():
+    from tunix_mcjax.bench import da_compare
+
+    rng = np.random.default_rng(0)
+    co = [list(1.0 + 0.01 * rng.standard_normal(30)) for _ in range(3)]
+    faster = _arm("mcjax_da-t25", [[0.8 * t for t in steps] for steps in co], 0.502)
+    same = _arm("mcjax_da-t50", [steps[::-1] for steps in co], 0.51)
+    out = da_compare.compare([_arm("mcjax", co, 0.5), faster, same], 10, {})["2"]["splits"]
+    assert out["mcjax_da-t25"]["verdict"] == "DA faster"
+    assert out["mcjax_da-t25"]["paired_step_bootstrap"]["median"] == pytest.approx(0.8)
+    assert out["mcjax_da-t25"]["reward_within_band"]
+    assert out["mcjax_da-t50"]["verdict"] == "none"
+    assert not out["mcjax_da-t50"]["reward_within_band"]

@@ -146,7 +146,9 @@ def launch_disaggregated(cfg, hosts: int, devices: int) -> int:
     """rl_runtime=mcjax_da: this process is the Ray driver of a local cluster of H actors."""
     from tunix_mcjax.runtime import disaggregated, ray_cluster
 
-    try:
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
+    try:  # the driver's own cleanup (every actor killed, Ray shut down) runs on any exit
         disaggregated.run(cfg, hosts, devices)
     except ray_cluster.ActorFailed as e:
         print(f"launch: {e}; the run is stopped", file=sys.stderr, flush=True)
@@ -154,6 +156,13 @@ def launch_disaggregated(cfg, hosts: int, devices: int) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
+    except (KeyboardInterrupt, Terminated) as stopped:
+        signum = signal.SIGTERM if isinstance(stopped, Terminated) else signal.SIGINT
+        print(f"launch: {signum.name}; every actor stopped", file=sys.stderr, flush=True)
+        return 128 + signum
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

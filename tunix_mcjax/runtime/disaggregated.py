@@ -31,13 +31,13 @@ import ray
 
 from tunix_mcjax import launch, metrics
 from tunix_mcjax.config import Config
-from tunix_mcjax.runtime import ray_cluster
+from tunix_mcjax.runtime import ray_cluster, reporting
 from tunix_mcjax.runtime.ray_actors import RolloutWorker, TrainerWorker
 from tunix_mcjax.runtime.recovery import NonFinitePolicy
 
-DA_FIELDS = ("trained_on", "batch_versions", "trainer_processes", "puts",
-             "rows_per_device", "weight_load_s", "rollout_restarts", "loss", "grad_norm", "kl",
-             "kl_loss", "finite", "nonfinite_steps")
+# What a step record repeats from the trainer leader's result.
+TRAIN_FIELDS = ("trained_on", "batch_versions", "trainer_processes", "puts", "rows_per_device",
+                "loss", "grad_norm", "kl", "kl_loss", "finite")
 
 
 @dataclasses.dataclass
@@ -89,10 +89,11 @@ class Cluster:
                 ) -> tuple[list, list[dict]]:
         """(batch refs, records) of step `step`; a dead rollout actor is replaced while restarts
         last, and its batch regenerated with the same version and seed."""
+        compiles = step <= 1
         while True:
             try:
                 records = self.wait({f"rollout-{r}": refs[1] for r, refs in pending.items()},
-                                    f"generate step {step}", compiles=step <= 1)
+                                    f"generate step {step}", compiles=compiles)
                 return [pending[r][0] for r in sorted(pending)], [
                     records[f"rollout-{r}"] for r in sorted(pending)]
             except ray_cluster.ActorFailed as e:
@@ -108,6 +109,7 @@ class Cluster:
                 ray_cluster.kill([self.rollouts[index]])
                 self.rollouts[index] = self._rollout(index, len(self.rollouts))
                 pending.update(self.generate(step, version, weights, only=index))
+                compiles = True  # the new actor builds and compiles its engine first
 
     def train(self, step: int, batches: list) -> dict:
         """Starts update `step` on every trainer (trainer r gets its contiguous share of the
@@ -159,7 +161,7 @@ def step_record(step: int, rollouts: list[dict], train: dict, restarts: int,
         weights_objects=[r["weights_object"] for r in rollouts],
         weight_load_s=max(r["load_s"] for r in rollouts), rollout_restarts=restarts,
         nonfinite_steps=nonfinite_steps,
-        **{k: train[k] for k in DA_FIELDS if k in train})
+        **{k: train[k] for k in TRAIN_FIELDS if k in train})
     return rec
 
 
@@ -192,6 +194,8 @@ def run(cfg: Config, hosts: int, devices_per_host: int) -> dict:
 
 
 def write_summary(cfg: Config, records: list[dict], hosts: int, devices_per_host: int) -> dict:
+    """summary.json: the colocated summary's fields (step times over steps that compiled
+    nothing), plus the split and the restarts."""
     steady = [r for r in records if not r["compiled"]] or records
     trainers, rollouts = cfg.disaggregated_split(hosts)
 
@@ -212,6 +216,8 @@ def write_summary(cfg: Config, records: list[dict], hosts: int, devices_per_host
         "tokens_generated": int(sum(r["tokens_generated"] for r in records)),
         "compiled_steps": int(sum(r["compiled"] for r in records)),
         "rollout_restarts": records[-1]["rollout_restarts"],
+        "nonfinite_steps": records[-1]["nonfinite_steps"],
     }
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(reporting.summary_table(summary), flush=True)
     return summary
