@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import types
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -134,13 +135,14 @@ def _setup(cfg, lr: float, noise: float):
     return trainer, local, ref, initial, behaviour
 
 
-@pytest.mark.parametrize("algo", ["grpo", "gspo-token"])
-def test_off_policy_update_equals_tunix(algo):
+@pytest.mark.parametrize("algo,gather", [("grpo", "auto"), ("gspo-token", "auto"),
+                                         ("gspo-token", "false")])
+def test_off_policy_update_equals_tunix(algo, gather):
     """Off-policy (old logps = behaviour logps that differ from the current ones, so ratios
     leave 1 and some clip): the loss and gradient equal Tunix's grpo_loss_fn with
-    old_per_token_logps, leaf by leaf, to 1e-5."""
+    old_per_token_logps, leaf by leaf, to 1e-5; in the flat step and in the sharded one."""
     lr = 1e6  # (initial - final) / lr is the applied gradient, kept precise
-    cfg = _cfg(loss_algo=algo)
+    cfg = _cfg(loss_algo=algo, fsdp_gather_params_once=gather)
     trainer, local, ref, initial, behaviour = _setup(cfg, lr, noise=0.3)
     got = trainer.step(local, off_policy=True)
     ref_loss, ref_grads = ref.grads(behaviour)
@@ -216,3 +218,19 @@ def test_importance_ratio_is_one_on_unchanged_weights():
         log_ratio = loss.importance_log_ratio(logps, batch, off_policy=True, loss_algo=algo)
         ratio = np.asarray(jnp.exp(log_ratio))[mask]
         assert np.abs(ratio - 1).max() < 1e-6, algo
+
+
+def test_colocated_step_trains_num_iterations_times(tmp_path):
+    """The colocated runtime, in this process: each step's batch gets num_iterations optimizer
+    updates (AdamW's count), the on- and the off-policy program compiled once each."""
+    from tunix_mcjax.runtime.colocated import ColocatedRuntime
+
+    cfg = load_config(REPO / "recipes/cpu/demo.yml", [
+        *TINY, "steps=1", "batch_size=2", "num_generations=2", "num_iterations=3",
+        f"base_output_directory={tmp_path}", "run_name=mu"])
+    rt = ColocatedRuntime(cfg, topology.current())
+    summary = rt.run()
+    counts = {int(x) for x in jax.tree.leaves(rt.trainer.opt_state) if np.ndim(x) == 0}
+    assert counts == {3}  # every scalar of the optimizer state is its update count
+    assert rt.trainer.compile_count == 2
+    assert summary["steps"] == 1 and summary["nonfinite_steps"] == 0

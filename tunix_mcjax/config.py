@@ -490,7 +490,7 @@ def _validate(cfg: Config) -> None:
                 "max_num_checkpoints_to_keep", "rollout_max_batch_size", "log_period",
                 "learning_rate", "collective_timeout_s", "compile_timeout_s", "adam_eps",
                 "base_num_decoder_layers", "base_emb_dim", "base_mlp_dim",
-                "base_num_query_heads", "base_num_kv_heads", "head_dim", "num_iterations")
+                "base_num_query_heads", "base_num_kv_heads", "head_dim")
     for key in positive:
         value = getattr(cfg, key)
         if not value > 0 or value == float("inf"):  # also refuses nan and inf
@@ -503,6 +503,11 @@ def _validate(cfg: Config) -> None:
         value = getattr(cfg, key)
         if not value >= 0 or value == float("inf"):
             raise ConfigError(f"{key} must be a finite number >= 0, got {value}")
+    # --- shared phases ---
+    if cfg.num_iterations < 1:
+        raise ConfigError(f"num_iterations must be >= 1 optimizer updates per batch (1: "
+                          f"on-policy GRPO, MaxText's default), got {cfg.num_iterations}")
+    # --- end shared phases ---
     if not 0 < cfg.grpo_epsilon < 1:
         raise ConfigError(f"grpo_epsilon must be in (0, 1) (the ratio is clipped to "
                           f"[1 - eps, 1 + eps]), got {cfg.grpo_epsilon}. Tunix's default: 0.2")

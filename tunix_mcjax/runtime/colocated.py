@@ -14,8 +14,6 @@ import gc
 import time
 from collections.abc import Callable
 
-import jax
-
 from tunix_mcjax import metrics, topology
 from tunix_mcjax.config import Config, ConfigError
 from tunix_mcjax.engine import Engine
@@ -142,6 +140,6 @@ def freeze_gc() -> None:
 
 def run(cfg: Config, topo: topology.Topology | None = None) -> dict | None:
     topo = topo or topology.current()
-    if jax.process_count() > 1 and cfg.rl_runtime == "single":
+    if topo.num_hosts > 1 and cfg.rl_runtime == "single":
         raise ConfigError("rl_runtime=single runs in one process: use --hosts 1")
     return ColocatedRuntime(cfg, topo).run()
