@@ -143,12 +143,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def launch_disaggregated(cfg, hosts: int, devices: int) -> int:
-    """rl_runtime=mcjax_da: this process is the Ray driver of a local cluster of H actors."""
+    """rl_runtime=mcjax_da: this process is the Ray driver of a local cluster of H actors.
+    SIGTERM (Ray's driver handler exits through SystemExit) and Ctrl-C leave through the
+    driver's own cleanup too: every actor killed, Ray shut down."""
     from tunix_mcjax.runtime import disaggregated, ray_cluster
 
-    main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGTERM, _on_sigterm) if main_thread else None
-    try:  # the driver's own cleanup (every actor killed, Ray shut down) runs on any exit
+    try:
         disaggregated.run(cfg, hosts, devices)
     except ray_cluster.ActorFailed as e:
         print(f"launch: {e}; the run is stopped", file=sys.stderr, flush=True)
@@ -156,15 +156,7 @@ def launch_disaggregated(cfg, hosts: int, devices: int) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    except (KeyboardInterrupt, Terminated) as stopped:
-        signum = signal.SIGTERM if isinstance(stopped, Terminated) else signal.SIGINT
-        print(f"launch: {signum.name}; every actor stopped", file=sys.stderr, flush=True)
-        return 128 + signum
-    finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())
