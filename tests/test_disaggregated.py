@@ -88,10 +88,27 @@ def test_demo_on_half_the_hosts_learns_in_ten_steps(tmp_path):
     assert np.polyfit(np.arange(10), reward, 1)[0] > 0
 
 
+def lora_publish_bytes(cfg) -> tuple[int, int]:
+    """(bytes of the whole engine tree, of its LoRA adapters) for `cfg`'s model."""
+    from flax import nnx
+    from tunix.models.qwen3 import model as qwen3
+
+    from tunix_mcjax import lora, models
+    from tunix_mcjax.publish import tree_bytes
+    from tunix_mcjax.tokenizer import load_tokenizer
+
+    vocab = len(load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path))
+    mc = models.model_config(cfg, vocab, for_sampling=True)
+    model = nnx.eval_shape(lambda: lora.add_adapters(qwen3.Qwen3(mc, rngs=nnx.Rngs(0))))
+    return tree_bytes(nnx.state(model, nnx.Param)), tree_bytes(nnx.state(model, nnx.LoRAParam))
+
+
 def test_dead_rollout_restarted_once_then_ends_the_run_within_60s(tmp_path):
     """rl_rollout_restarts=1: a killed rollout actor is replaced and its batch regenerated with
-    the same version; killed again, restarts are spent and the run ends, naming it."""
-    cfg = config(tmp_path, "steps=8", "rl_rollout_restarts=1")
+    the same version; killed again, restarts are spent and the run ends, naming it. With LoRA
+    every publish after the first is the adapters alone, and the new actor fetches the base."""
+    cfg = config(tmp_path, "steps=8", "rl_rollout_restarts=1", "lora_rank=4", "lora_alpha=8")
+    whole, adapters = lora_publish_bytes(cfg)
     cluster = Cluster.start(cfg, hosts=2, devices_per_host=1)
     try:
         steps = training_steps(cfg, cluster)
@@ -102,6 +119,10 @@ def test_dead_rollout_restarted_once_then_ends_the_run_within_60s(tmp_path):
         assert records[-1]["rollout_restarts"] == 1
         assert [r["staleness"] for r in records[1:]] == [[1]] * 3
         assert [r["batch_versions"] for r in records] == [[0], [0], [1], [2]]
+        assert adapters < whole / 4
+        # The new actor generated, so it loaded the base: an engine missing params refuses to.
+        assert [r["publish_bytes"] for r in records] == [adapters] * 4
+        assert all(np.isfinite(r["reward_mean"]) for r in records)
         kill_process(cluster.rollouts[0])
         t0 = time.monotonic()
         with pytest.raises(ActorFailed, match="rollout-0: its process died") as failed:

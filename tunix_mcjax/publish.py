@@ -32,7 +32,7 @@ def tree_bytes(tree: Any) -> int:
     return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in jax.tree.leaves(tree))
 
 
-def _nest(path: tuple, leaf: Any) -> dict:
+def nest(path: tuple, leaf: Any) -> dict:
     """A one-leaf partial tree: ('layers', 0, 'attn', ...) -> {'layers': {0: {...: leaf}}}."""
     tree = leaf
     for key in reversed(path):
@@ -68,7 +68,7 @@ class Publisher:
                 self.load_calls += 1
                 return
             for path, leaf in jax.tree_util.tree_flatten_with_path(engine_params)[0]:
-                engine.load_weights(_nest(path, self._gather(leaf, gathered)))
+                engine.load_weights(nest(path, self._gather(leaf, gathered)))
                 self.load_calls += 1
 
     def _gather(self, tree: Any, gathered: bool) -> Any:

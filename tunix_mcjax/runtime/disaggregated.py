@@ -36,8 +36,8 @@ from tunix_mcjax.runtime.ray_actors import RolloutWorker, TrainerWorker
 from tunix_mcjax.runtime.recovery import NonFinitePolicy
 
 # What a step record repeats from the trainer leader's result.
-TRAIN_FIELDS = ("trained_on", "batch_versions", "trainer_processes", "puts", "rows_per_device",
-                "loss", "grad_norm", "kl", "kl_loss", "finite")
+TRAIN_FIELDS = ("trained_on", "batch_versions", "trainer_processes", "puts", "publish_bytes",
+                "rows_per_device", "loss", "grad_norm", "kl", "kl_loss", "finite")
 
 
 @dataclasses.dataclass

@@ -8,7 +8,9 @@ running the shared phases (`runtime.phases`) of its side of the step.
   `phases.pack` (rows per device agreed in the trainers' exchange) and `TrainPhase` (the
   colocated mode's FSDP update, off-policy against the engine's behaviour logprobs), then the
   publish: the leader `ray.put`s one host copy of the new weights, once per version; every
-  rollout actor fetches that one object.
+  rollout actor fetches that one object. With LoRA only the first publish is the whole tree;
+  later ones are the adapters, and a rollout actor without the base (a restarted one) fetches
+  the first object too.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tunix_mcjax import metrics, models, topology
 from tunix_mcjax.config import Config
-from tunix_mcjax.publish import _nest
+from tunix_mcjax.publish import nest, tree_bytes
 from tunix_mcjax.runtime import components, phases
 from tunix_mcjax.runtime.colocated import freeze_gc
 from tunix_mcjax.runtime.records import HostRecord, Rollout
@@ -53,7 +55,7 @@ class RolloutWorker:
             list(jax.local_devices()), prompts.pad_id, prompts.eos_ids)
         self.phases = phases.RolloutPhases(cfg, prompts, self.engine, num_rollouts, index)
         self.history = LengthHistory(len(prompts.tokens))  # stays empty: O3x is colocated-only
-        self.version, self.weights_object = -1, ""
+        self.version, self.weights_object, self.has_base = -1, "", False
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with it
         return f"rollout-{self.index}"
@@ -62,16 +64,21 @@ class RolloutWorker:
         return os.getpid()
 
     def _load(self, version: int, weights: list[ray.ObjectRef]) -> None:
-        """Fetches version `version` from the object store once (a no-op when it is loaded)."""
+        """Fetches version `version` from the object store once (a no-op when it is loaded):
+        `weights` is [its object] or, with LoRA, [its adapters, the first (whole) publish]."""
         if version == self.version:
             return
-        tree = ray.get(weights[0], timeout=self.cfg.collective_timeout_s)
+        if len(weights) > 1 and not self.has_base:
+            self._load_tree(ray.get(weights[1], timeout=self.cfg.collective_timeout_s))
+        self._load_tree(ray.get(weights[0], timeout=self.cfg.collective_timeout_s))
+        self.version, self.weights_object, self.has_base = version, weights[0].hex(), True
+
+    def _load_tree(self, tree: Any) -> None:
         if self.cfg.rl_publish_weights_single_call:
             self.engine.load_weights(tree)
         else:
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-                self.engine.load_weights(_nest(path, leaf))
-        self.version, self.weights_object = version, weights[0].hex()
+                self.engine.load_weights(nest(path, leaf))
 
     def generate(self, step: int, version: int, weights: list[ray.ObjectRef]
                  ) -> tuple[Rollout, dict]:
@@ -108,6 +115,7 @@ class TrainerWorker:
         self._replicate = jax.jit(lambda t: t,
                                   out_shardings=NamedSharding(self.mesh, PartitionSpec()))
         self.version, self.puts = 0, 0
+        self.base: ray.ObjectRef | None = None  # the first publish, held while the run lasts
 
     def __repr__(self) -> str:
         return f"trainer-{self.rank}"
@@ -116,10 +124,12 @@ class TrainerWorker:
         return os.getpid()
 
     def publish(self) -> dict:
-        """Phase 6: every trainer joins the gather of the full weights; the leader puts one host
-        copy into the object store. {"version", "weights": [ref] (leader) or None, ...}."""
+        """Phase 6: every trainer joins the gather of the full weights (with LoRA after the first
+        publish, the adapters); the leader puts one host copy into the object store.
+        {"version", "weights": [ref] or [ref, first ref] (leader) or None, ...}."""
         t0 = time.perf_counter()
-        params = self.trainer.engine_params()
+        adapters_only = self.trainer.lora and self.version > 0
+        params = self.trainer.engine_params(adapters_only=adapters_only)
         with self.watchdog.guard("publish", compiles=self.version == 0):
             if not self.trainer.engine_params_gathered:
                 with jax.set_mesh(self.mesh):
@@ -128,8 +138,12 @@ class TrainerWorker:
             if self.topo.is_leader:
                 weights = [ray.put(host_copy(params))]
                 self.puts += 1
+                if self.base is None:
+                    self.base = weights[0]
+                if adapters_only:
+                    weights.append(self.base)
         return {"version": self.version, "weights": weights, "puts": self.puts,
-                "publish_s": time.perf_counter() - t0}
+                "publish_bytes": tree_bytes(params), "publish_s": time.perf_counter() - t0}
 
     def train(self, step: int, *rollouts: Rollout) -> dict:
         """Update `step` (version v -> v+1) on this trainer's rollouts, then publish v+1."""
