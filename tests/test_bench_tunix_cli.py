@@ -104,8 +104,8 @@ def test_cli_config_carries_the_profile_workload_and_lora_in_run_qwen3_form(tmp_
     assert argv[2:] == [
         "actor_model_config.mesh.shape=(2,1)", "actor_model_config.mesh.axis_names=('fsdp','tp')",
         "actor_model_config.lora_config.rank=64", "actor_model_config.lora_config.alpha=64.0",
-        "actor_model_config.lora_config.module_path=.*q_einsum|.*kv_einsum|.*gate_proj"
-        "|.*down_proj|.*up_proj|.*attn_vec_einsum"]
+        "actor_model_config.lora_config.module_path=.*q_proj|.*k_proj|.*v_proj|.*o_proj"
+        "|.*gate_proj|.*down_proj|.*up_proj"]
 
 
 def test_cli_config_refuses_a_sampling_strategy_tunix_cli_cannot_express(tmp_path):

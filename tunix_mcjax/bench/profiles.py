@@ -21,6 +21,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from tunix_mcjax.config import Config
+
 BATCHES = 20  # distinct global batches; a run covers them twice
 WORDS = ("apples", "boxes", "each", "total", "how", "many", "costs", "sold", "per", "week",
          "more", "than", "half", "left", "after", "gave", "buys", "price", "of", "the")
@@ -60,12 +62,10 @@ class Profile:
 DEMO_MODEL = {"base_num_decoder_layers": 2, "base_emb_dim": 64, "base_mlp_dim": 128,
               "base_num_query_heads": 4, "base_num_kv_heads": 2, "head_dim": 16}
 QWEN3_0P6B = {"model_name": "qwen3-0.6b", "dtype": "bfloat16", "weight_dtype": "float32"}
-# Tunix's examples/rl/grpo/gsm8k/run_qwen3.sh LoRA (rank 64, alpha 64) with the script's module
-# path from before Tunix 0.1.7, which names Gemma's attention einsums: on Qwen3 it adapts the MLP
-# projections only (0.1.7's value, the `lora_module_path` default, adapts all seven).
+# Tunix 0.1.7's examples/rl/grpo/gsm8k/run_qwen3.sh LoRA: rank 64, alpha 64, on all seven
+# projections (its module path is the `lora_module_path` default).
 RUN_QWEN3_LORA = {"lora_rank": 64, "lora_alpha": 64.0,
-                  "lora_module_path": ".*q_einsum|.*kv_einsum|.*gate_proj|.*down_proj|.*up_proj"
-                                      "|.*attn_vec_einsum"}
+                  "lora_module_path": Config.lora_module_path}
 
 PROFILES = {p.name: p for p in (
     # Paper Table 1, Qwen3-0.6B shapes (random init). Accelerator scale.
