@@ -118,17 +118,29 @@ def launch(recipe: str, overrides: list[str], hosts: int, devices: int,
     return code
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tunix_mcjax.launch", description=__doc__,
+def host_parser(prog: str, description: str, devices_per_host: int) -> argparse.ArgumentParser:
+    """A local launcher's parser: `--hosts` and `--devices-per-host` (see `parse_hosts`)."""
+    parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--hosts", type=int, default=2, help="processes to start (default 2)")
-    parser.add_argument("--devices-per-host", type=int, default=2,
-                        help="CPU devices per process (default 2)")
-    parser.add_argument("recipe", help="YAML recipe, e.g. recipes/cpu/demo.yml")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    parser.add_argument("--devices-per-host", type=int, default=devices_per_host,
+                        help=f"CPU devices per process (default {devices_per_host})")
+    return parser
+
+
+def parse_hosts(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
+    """`parser`'s arguments, with at least one host and one device per host."""
     args = parser.parse_args(argv)
     if args.hosts < 1 or args.devices_per_host < 1:
         parser.error("--hosts and --devices-per-host must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = host_parser("python -m tunix_mcjax.launch", __doc__, devices_per_host=2)
+    parser.add_argument("recipe", help="YAML recipe, e.g. recipes/cpu/demo.yml")
+    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
+    args = parse_hosts(parser, argv)
     try:
         cfg = load_config(args.recipe, args.overrides)
         cfg.validate_topology(args.hosts, args.devices_per_host)

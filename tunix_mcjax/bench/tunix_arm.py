@@ -247,10 +247,13 @@ def run(cfg, layout: str) -> Path:
     return out
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def arm_setup(arm: str, description: str, argv: list[str] | None):
+    """(args, config) of a one-process Tunix arm: `--devices` forced CPU devices (plus the
+    trace window's XLA flags) set before JAX starts, then the recipe and overrides loaded."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--devices", type=int, required=True, help="CPU devices in the process")
-    parser.add_argument("--layout", choices=LAYOUTS, default="fsdp")
+    parser.add_argument("--layout", choices=LAYOUTS, default="fsdp",
+                        help="fsdp: the meshes span every device; one-device: the first only")
     parser.add_argument("recipe")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)
@@ -265,8 +268,12 @@ def main(argv: list[str] | None = None) -> None:
     from tunix_mcjax.config import load_config
 
     if jax.device_count() != args.devices:
-        sys.exit(f"tunix arm: wanted {args.devices} devices, jax sees {jax.device_count()}")
-    cfg = load_config(args.recipe, args.overrides)
+        sys.exit(f"{arm} arm: wanted {args.devices} devices, jax sees {jax.device_count()}")
+    return args, load_config(args.recipe, args.overrides)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args, cfg = arm_setup("tunix", __doc__.split("\n\n")[0], argv)
     print(f"tunix arm: wrote {run(cfg, args.layout)}", flush=True)
 
 

@@ -22,17 +22,14 @@ LoRA, RLCluster and learner run unchanged; its rollout draws its own seeds.
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import sys
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import yaml
 
 from tunix_mcjax.bench import trace
-from tunix_mcjax.bench.tunix_arm import LAYOUTS, StepClock, instrument, timed_reward
+from tunix_mcjax.bench.tunix_arm import StepClock, arm_setup, instrument, timed_reward
 
 REWARDS = {"gsm8k": "tunix_mcjax.bench.tunix_cli_rewards.gsm8k",
            "next_digit": "tunix_mcjax.bench.tunix_cli_rewards.next_digit"}
@@ -243,26 +240,7 @@ def run(cfg, recipe: str, overrides: list[str], devices: int) -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--devices", type=int, required=True, help="CPU devices in the process")
-    parser.add_argument("--layout", choices=LAYOUTS, default="fsdp",
-                        help="fsdp: the meshes span every device; one-device: the first only")
-    parser.add_argument("recipe")
-    parser.add_argument("overrides", nargs="*", help="key=value config overrides")
-    args = parser.parse_args(argv)
-    flag = f"--xla_force_host_platform_device_count={args.devices}"
-    window = trace.Window.from_env()
-    if window is not None:
-        flag += " " + window.xla_flags(0)
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {flag}".strip()
-
-    import jax
-
-    from tunix_mcjax.config import load_config
-
-    if jax.device_count() != args.devices:
-        sys.exit(f"tunix-cli arm: wanted {args.devices} devices, jax sees {jax.device_count()}")
-    cfg = load_config(args.recipe, args.overrides)
+    args, cfg = arm_setup("tunix-cli", __doc__.split("\n\n")[0], argv)
     cfg.run_dir.mkdir(parents=True, exist_ok=True)
     mesh_devices = args.devices if args.layout == "fsdp" else 1
     print(f"tunix-cli arm: wrote {run(cfg, args.recipe, args.overrides, mesh_devices)}",

@@ -10,27 +10,19 @@ starts that command once per host instead.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from tunix_mcjax.launch import launch
+from tunix_mcjax.launch import host_parser, launch, parse_hosts
 
 TRAIN_RL = "maxtext.trainers.post_train.rl.train_rl"
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tunix_mcjax.maxtext.launch",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hosts", type=int, default=2, help="processes to start (default 2)")
-    parser.add_argument("--devices-per-host", type=int, default=1,
-                        help="CPU devices per process (default 1)")
+    parser = host_parser("python -m tunix_mcjax.maxtext.launch", __doc__, devices_per_host=1)
     parser.add_argument("args", nargs="+", metavar="[CONFIG.yml] key=value",
                         help="train_rl's arguments: an optional MaxText RL config YAML (e.g. "
                         "src/maxtext/configs/post_train/rl.yml), then key=value overrides")
-    args = parser.parse_args(argv)
-    if args.hosts < 1 or args.devices_per_host < 1:
-        parser.error("--hosts and --devices-per-host must be >= 1")
+    args = parse_hosts(parser, argv)
     first, *rest = [*args.args, "rl_runtime=mcjax"]
     return launch(first, rest, args.hosts, args.devices_per_host, module=TRAIN_RL)
 

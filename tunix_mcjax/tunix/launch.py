@@ -10,25 +10,17 @@ per host instead.
 
 from __future__ import annotations
 
-import argparse
 import sys
 
-from tunix_mcjax.launch import launch
+from tunix_mcjax.launch import host_parser, launch, parse_hosts
 from tunix_mcjax.tunix import GRPO_MAIN
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tunix_mcjax.tunix.launch",
-                                     description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hosts", type=int, default=2, help="processes to start (default 2)")
-    parser.add_argument("--devices-per-host", type=int, default=1,
-                        help="CPU devices per process (default 1)")
+    parser = host_parser("python -m tunix_mcjax.tunix.launch", __doc__, devices_per_host=1)
     parser.add_argument("base_config", help="Tunix's base config YAML")
     parser.add_argument("overrides", nargs="*", help="grpo_main's key=value arguments")
-    args = parser.parse_args(argv)
-    if args.hosts < 1 or args.devices_per_host < 1:
-        parser.error("--hosts and --devices-per-host must be >= 1")
+    args = parse_hosts(parser, argv)
     return launch(args.base_config, [*args.overrides, "rl_runtime=mcjax"], args.hosts,
                   args.devices_per_host, module=GRPO_MAIN)
 
