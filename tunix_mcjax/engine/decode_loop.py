@@ -1,18 +1,27 @@
-"""The on-device generation program: batched prefill, then a `lax.while_loop` of decode steps.
+"""The on-device generation program over a KV page pool: one `lax.while_loop` whose iterations
+prefill, admit and decode, the way a paged serving engine schedules (vLLM's, on TPU).
 
-Each distinct prompt is prefilled once (GRPO sends every prompt `num_generations` times); its
-keys/values and last-position logits form a prompt store that rows copy from. The batch has
-`num_slots` rows. With `num_requests > num_slots` (continuous batching) a row whose sequence
-ends takes the next waiting request in the same loop iteration by copying that request's
-prompt from the store, so the whole share decodes as one batch without waves. The loop stops
-as soon as no row is active and no request waits.
+One iteration:
+1. **prefill**: prompts that the next waiting requests need get their pages, and up to
+   `prefill_rows` chunks of `chunk` tokens run through the model (at most
+   `max_num_batched_tokens` per iteration). A prompt is prefilled once for all the requests that
+   share it: the G generations of a GRPO group point at the same prompt pages.
+2. **admit**: waiting requests take free rows, in order (preempted ones first). A row's block
+   table starts with its prompt's full pages and a copy of the prompt's partly filled last page;
+   token 0 is sampled from the prompt's last logits.
+3. **decode**: every active row feeds one token; a row crossing into a new page takes one from
+   the free stack. When the stack runs dry, idle prompts are evicted, then the last admitted rows
+   are preempted: their pages go back and they wait again. A preempted row is recomputed on
+   readmission by feeding its recorded tokens again (nothing is re-sampled), so its sample is the
+   one it would have had without the preemption.
 
-The model is a `DecodeModel`: Tunix Qwen3 (`Qwen3DecodeModel`, the jax engine) or MaxText's
-own model in its KV-cache decode modes (`engine.maxtext_model`, the maxtext engine).
+Attention reads only pages up to the longest live row (`engine.paged_attention`), so time and
+memory follow the tokens decoded, not the caps. The loop stops when no request is left, or when
+nothing could move (`stalled`, which the engine turns into an error; pool sizes rule it out).
 
 Randomness is per request and token: token j of request i uses
 `fold_in(fold_in(key, first_request_index + i), j)`, so a request's sample does not depend on
-its batch, its row or when it was admitted.
+its batch, its row, when it was admitted, or whether it was preempted.
 """
 
 from __future__ import annotations
@@ -23,27 +32,35 @@ from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
-from tunix.models.qwen3.model import ModelConfig
 
-from tunix_mcjax.engine import qwen3_forward as fwd
+from tunix_mcjax.engine import pages as pg
+from tunix_mcjax.engine.qwen3_forward import PagedRows
 from tunix_mcjax.engine.sampling import SamplerSpec, sample
+
+ABSENT, PREFILLING, RESIDENT = 0, 1, 2  # a prompt's pages
 
 
 @dataclasses.dataclass(frozen=True)
 class ProgramShape:
-    """Static shapes of one compiled program (all powers of two or engine caps)."""
+    """Static shapes of one compiled program."""
 
     num_requests: int
-    num_slots: int
+    num_slots: int  # rows decoded at once
     num_prompts: int  # distinct prompts
-    prompt_len: int
+    prompt_len: int  # prompt bucket
     max_new: int
+    page_size: int
+    num_pages: int  # the pool's
+    chunk: int  # prefill tokens per row
+    prefill_rows: int  # prefill rows per iteration
 
     @property
-    def cache_len(self) -> int:
-        return self.prompt_len + self.max_new
+    def table_pages(self) -> int:
+        return pg.table_pages(self.prompt_len, self.max_new, self.page_size)
+
+    @property
+    def prompt_pages(self) -> int:
+        return pg.cdiv(self.prompt_len, self.page_size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,7 +69,7 @@ class Inputs:
 
     prompts: jax.Array  # int32 [num_prompts, prompt_len], distinct prompts, right-padded
     prompt_lens: jax.Array  # int32 [num_prompts]; 0 for padding
-    request_prompts: jax.Array  # int32 [N]: each request's prompt; -1 pads (only at the end)
+    request_prompts: jax.Array  # int32 [N]: each request's prompt; -1 pads
     key: jax.Array  # PRNGKey of the replica
     first_request_index: jax.Array  # int32, index of request 0 in the replica's share
     temperature: jax.Array  # float32
@@ -61,74 +78,421 @@ class Inputs:
     max_new_tokens: jax.Array  # int32
 
 
-jax.tree_util.register_dataclass(Inputs)
-
-
 @dataclasses.dataclass(frozen=True)
 class Outputs:
     tokens: jax.Array  # int32 [N, max_new]
     logprobs: jax.Array  # float32 [N, max_new]
     lengths: jax.Array  # int32 [N]
-    iterations: jax.Array  # int32: decode iterations the loop ran
+    iterations: jax.Array  # int32: loop iterations
+    prefill_steps: jax.Array  # int32: iterations that ran a prefill chunk
+    preemptions: jax.Array  # int32
+    shared_pages: jax.Array  # int32: prompt pages rows used without owning (prefix sharing)
+    peak_pages: jax.Array  # int32: most pages in use at once
+    stalled: jax.Array  # bool: the loop ended with requests left (the pool cannot hold one)
 
 
-jax.tree_util.register_dataclass(Outputs)
+@dataclasses.dataclass(frozen=True)
+class LoopState:
+    pool: Any  # the model's page arrays
+    free: pg.FreeStack
+    prompt_tables: jax.Array  # int32 [U, prompt_pages]
+    prompt_state: jax.Array  # int32 [U]: ABSENT | PREFILLING | RESIDENT
+    prompt_next_chunk: jax.Array  # int32 [U]
+    prompt_rows: jax.Array  # int32 [U]: active rows on the prompt's pages
+    prompt_left: jax.Array  # int32 [U]: its requests not finished
+    prompt_logits: jax.Array  # float32 [U, V]: logits after the prompt's last token
+    active: jax.Array  # bool [B]
+    row_request: jax.Array  # int32 [B]
+    row_cursor: jax.Array  # int32 [B]: index of the row's input token in its completion
+    row_token: jax.Array  # int32 [B]: the row's input token
+    row_tables: jax.Array  # int32 [B, table_pages]
+    row_order: jax.Array  # int32 [B]: admission count when admitted (preemption picks the max)
+    admissions: jax.Array  # int32
+    running: jax.Array  # bool [N]
+    done: jax.Array  # bool [N]
+    out_tokens: jax.Array  # int32 [N, max_new]
+    out_logprobs: jax.Array  # float32 [N, max_new]
+    out_lengths: jax.Array  # int32 [N]
+    iterations: jax.Array
+    prefill_steps: jax.Array
+    preemptions: jax.Array
+    shared_pages: jax.Array
+    peak_pages: jax.Array
+    stalled: jax.Array
+
+
+for _cls in (Inputs, Outputs, LoopState):
+    jax.tree_util.register_dataclass(_cls)
 
 
 class DecodeModel(Protocol):
-    """What the loop needs from a model: batched prefill into a prompt store, rows of a decode
-    cache copied from that store, and one decode step. Caches are pytrees of arrays."""
+    """What the loop needs from a model: its page pool and one call over rows of tokens."""
 
-    def prefill(self, params: Any, prompts: jax.Array, lengths: jax.Array) -> tuple[jax.Array, Any]:
-        """Right-padded prompts [U, T], lengths [U] -> (fp32 logits at lengths-1 [U, V], store)."""
+    def empty_pool(self, num_pages: int, page_size: int) -> Any:
+        """The pool's page arrays, zeroed."""
 
-    def rows(self, store: Any, prompt_ids: jax.Array) -> Any:
-        """A decode cache whose row b holds prompt `prompt_ids[b]` of the store."""
+    def forward(self, params: Any, pool: Any, rows: PagedRows) -> tuple[jax.Array, Any]:
+        """`rows` through the model -> (fp32 logits [R, V] at `rows.logit_cols`, the pool with
+        the rows' keys/values written)."""
 
-    def admit(self, cache: Any, store: Any, slot: jax.Array, prompt: jax.Array) -> Any:
-        """`cache` with row `slot` replaced by prompt `prompt` of the store."""
-
-    def decode_step(self, params: Any, cache: Any, tokens: jax.Array,
-                    positions: jax.Array) -> tuple[jax.Array, Any]:
-        """One token per row at its position -> (fp32 logits [B, V], updated cache)."""
+    def copy_page(self, pool: Any, source: jax.Array, target: jax.Array) -> Any:
+        """The pool with page `target` holding page `source`'s contents, in every layer."""
 
 
-class Qwen3DecodeModel:
-    """Tunix Qwen3 through `qwen3_forward`: per-layer (keys, values) with a per-row position."""
+def replace(state: LoopState, **changes: Any) -> LoopState:
+    return dataclasses.replace(state, **changes)
 
-    def __init__(self, cfg: ModelConfig, max_new: int, mesh: jax.sharding.Mesh):
-        self.cfg, self.max_new = cfg, max_new
-        self.cache_sharding = NamedSharding(mesh, P("data", "tp", None, None))
 
-    def prefill(self, params, prompts, lengths):
-        return fwd.prefill(self.cfg, params, prompts, lengths)
+# ----- requests and pages -------------------------------------------------------------------
 
-    def rows(self, store, prompt_ids):
-        pad_keys = ((0, 0), (0, 0), (0, 0), (0, self.max_new))  # keys [B, K, H, S]
-        pad_values = ((0, 0), (0, 0), (0, self.max_new), (0, 0))  # values [B, K, S, H]
-        return [
-            (
-                jax.lax.with_sharding_constraint(jnp.pad(k[prompt_ids], pad_keys),
-                                                 self.cache_sharding),
-                jax.lax.with_sharding_constraint(jnp.pad(v[prompt_ids], pad_values),
-                                                 self.cache_sharding),
-            )
-            for k, v in store
-        ]
 
-    def admit(self, cache, store, slot, prompt):
-        return [
-            tuple(
-                jax.lax.dynamic_update_slice(
-                    c, jax.lax.dynamic_slice_in_dim(x, prompt, 1), (slot, 0, 0, 0)
-                )
-                for c, x in zip(cache_i, kv_i, strict=True)
-            )
-            for cache_i, kv_i in zip(cache, store, strict=True)
-        ]
+def waiting_priority(state: LoopState) -> jax.Array:
+    """Per request, lower is admitted sooner: preempted ones in order, then fresh ones in order;
+    2N for requests that are not waiting."""
+    n = state.done.shape[0]
+    index = jnp.arange(n, dtype=jnp.int32)
+    waiting = ~state.done & ~state.running
+    return jnp.where(waiting, jnp.where(state.out_lengths > 0, index, n + index), 2 * n)
 
-    def decode_step(self, params, cache, tokens, positions):
-        return fwd.decode_step(self.cfg, params, cache, tokens, positions)
+
+def release_pages(state: LoopState, pages: jax.Array, release: jax.Array) -> LoopState:
+    return replace(state, free=pg.give(state.free, pages, release))
+
+
+def evict_prompts(state: LoopState, evict: jax.Array) -> LoopState:
+    """Give back the pages of the prompts where `evict` [U]; they are prefilled again if needed."""
+    state = release_pages(state, state.prompt_tables, evict[:, None])
+    return replace(
+        state,
+        prompt_tables=jnp.where(evict[:, None], -1, state.prompt_tables),
+        prompt_state=jnp.where(evict, ABSENT, state.prompt_state),
+    )
+
+
+def private_pages(shape: ProgramShape, prompt_len: jax.Array) -> jax.Array:
+    """bool [B, table_pages]: the table entries a row owns (not its prompt's shared pages)."""
+    return jnp.arange(shape.table_pages)[None, :] >= (prompt_len // shape.page_size)[:, None]
+
+
+def vacate_rows(shape: ProgramShape, inp: Inputs, state: LoopState, rows: jax.Array,
+                finished: jax.Array) -> LoopState:
+    """Rows where `rows` leave the batch (finished, or preempted): their own pages go back, and
+    a prompt whose requests all finished gives its pages back too."""
+    prompt = jnp.maximum(inp.request_prompts[state.row_request], 0)
+    owned = private_pages(shape, inp.prompt_lens[prompt]) & rows[:, None]
+    state = release_pages(state, state.row_tables, owned)
+    requests = jnp.where(rows, state.row_request, shape.num_requests)  # out of bounds: dropped
+    prompt_rows = state.prompt_rows.at[jnp.where(rows, prompt, shape.num_prompts)].add(
+        -1, mode="drop")
+    left = state.prompt_left.at[jnp.where(rows & finished, prompt, shape.num_prompts)].add(
+        -1, mode="drop")
+    state = replace(
+        state,
+        active=state.active & ~rows,
+        row_tables=jnp.where(rows[:, None], -1, state.row_tables),
+        running=state.running.at[requests].set(False, mode="drop"),
+        done=state.done.at[jnp.where(finished, requests, shape.num_requests)].set(
+            True, mode="drop"),
+        prompt_rows=prompt_rows,
+        prompt_left=left,
+    )
+    return evict_prompts(state, (left == 0) & (state.prompt_state != ABSENT))
+
+
+def make_room(shape: ProgramShape, inp: Inputs, state: LoopState,
+              need: jax.Array) -> tuple[LoopState, jax.Array]:
+    """Free pages until the rows in `need` [B] can each take one: first the pages of prompts no
+    row uses, then the last admitted rows (preempted: they wait again). Returns the state and
+    the rows that still need a page."""
+
+    def short(carry):
+        state, need = carry
+        return jnp.sum(need) > state.free.count
+
+    def free_one(carry):
+        state, need = carry
+        idle = (state.prompt_state != ABSENT) & (state.prompt_rows == 0)
+        prompt = jnp.argmax(idle)
+
+        def evict(state, need):
+            return evict_prompts(state, jnp.arange(shape.num_prompts) == prompt), need
+
+        def preempt(state, need):
+            victim = jnp.argmax(jnp.where(state.active, state.row_order, -1))
+            rows = jnp.arange(shape.num_slots) == victim
+            state = vacate_rows(shape, inp, state, rows, jnp.zeros_like(rows))
+            return replace(state, preemptions=state.preemptions + 1), need & ~rows
+
+        return jax.lax.cond(jnp.any(idle), evict, preempt, state, need)
+
+    return jax.lax.while_loop(short, free_one, (state, need))
+
+
+def note_usage(state: LoopState) -> LoopState:
+    used = state.free.pages.shape[0] - state.free.count
+    return replace(state, peak_pages=jnp.maximum(state.peak_pages, used))
+
+
+# ----- the three phases ----------------------------------------------------------------------
+
+
+def start_prefills(shape: ProgramShape, inp: Inputs, state: LoopState) -> LoopState:
+    """Pages for the absent prompts of the requests that would take the free rows next, in that
+    order, while the free stack holds each prompt and one page for its first row's copy."""
+    order = jnp.argsort(waiting_priority(state))[: shape.num_slots]
+    free_rows = shape.num_slots - jnp.sum(state.active)
+    waiting = jnp.sum(~state.done & ~state.running)
+    candidate = jnp.arange(shape.num_slots) < jnp.minimum(free_rows, waiting)
+    prompt = jnp.maximum(inp.request_prompts[order], 0)
+    earlier = jnp.tril(prompt[:, None] == prompt[None, :], k=-1) & candidate[None, :]
+    first = candidate & ~jnp.any(earlier, axis=1) & (state.prompt_state[prompt] == ABSENT)
+    num_pages = (inp.prompt_lens[prompt] + shape.page_size - 1) // shape.page_size
+    start = first & (jnp.cumsum(jnp.where(first, num_pages + 1, 0)) <= state.free.count)
+    want = start[:, None] & (jnp.arange(shape.prompt_pages)[None, :] < num_pages[:, None])
+    taken, free = pg.take(state.free, want)
+    target = jnp.where(start, prompt, shape.num_prompts)
+    return note_usage(replace(
+        state,
+        free=free,
+        prompt_tables=state.prompt_tables.at[target].set(taken, mode="drop"),
+        prompt_state=state.prompt_state.at[target].set(PREFILLING, mode="drop"),
+        prompt_next_chunk=state.prompt_next_chunk.at[target].set(0, mode="drop"),
+    ))
+
+
+def prefill_rows(shape: ProgramShape, inp: Inputs, state: LoopState):
+    """The next chunks of the prompts being prefilled, in prompt order: (prompt [R], chunk [R],
+    valid [R])."""
+    chunks = (inp.prompt_lens + shape.chunk - 1) // shape.chunk
+    remaining = jnp.where(state.prompt_state == PREFILLING, chunks - state.prompt_next_chunk, 0)
+    ends = jnp.cumsum(remaining)
+    row = jnp.arange(shape.prefill_rows)
+    prompt = jnp.clip(jnp.searchsorted(ends, row, side="right"), 0, shape.num_prompts - 1)
+    chunk = state.prompt_next_chunk[prompt] + row - (ends[prompt] - remaining[prompt])
+    return prompt, chunk, row < ends[-1]
+
+
+def prefill_phase(model: DecodeModel, shape: ProgramShape, params: Any, inp: Inputs,
+                  state: LoopState) -> LoopState:
+    """Start the prompts the next rows need, then run one step of prefill chunks."""
+    state = start_prefills(shape, inp, state)
+    prompt, chunk, valid = prefill_rows(shape, inp, state)
+
+    def run(state: LoopState) -> LoopState:
+        length = inp.prompt_lens[prompt]
+        start = chunk * shape.chunk
+        positions = start[:, None] + jnp.arange(shape.chunk)[None, :]
+        real = valid[:, None] & (positions < length[:, None])
+        table = state.prompt_tables[prompt]
+        page = jnp.take_along_axis(table, jnp.minimum(positions // shape.page_size,
+                                                      shape.prompt_pages - 1), axis=1)
+        kv_lens = jnp.where(valid, jnp.minimum(start + shape.chunk, length), 0)
+        rows = PagedRows(
+            tokens=jnp.take_along_axis(inp.prompts[prompt],
+                                       jnp.minimum(positions, shape.prompt_len - 1), axis=1),
+            positions=positions,
+            write_pages=jnp.where(real, page, shape.num_pages),
+            write_offsets=positions % shape.page_size,
+            tables=table,
+            kv_lens=kv_lens,
+            q_lens=jnp.where(valid, kv_lens - start, 0),
+            logit_cols=jnp.clip(length - 1 - start, 0, shape.chunk - 1),
+        )
+        logits, pool = model.forward(params, state.pool, rows)
+        last = valid & (start + shape.chunk >= length)
+        target = jnp.where(last, prompt, shape.num_prompts)
+        next_chunk = state.prompt_next_chunk.at[jnp.where(valid, prompt, shape.num_prompts)].add(
+            1, mode="drop")
+        chunks = (inp.prompt_lens + shape.chunk - 1) // shape.chunk
+        finished = (state.prompt_state == PREFILLING) & (next_chunk >= chunks)
+        return replace(
+            state,
+            pool=pool,
+            prompt_logits=state.prompt_logits.at[target].set(logits, mode="drop"),
+            prompt_next_chunk=next_chunk,
+            prompt_state=jnp.where(finished, RESIDENT, state.prompt_state),
+            prefill_steps=state.prefill_steps + 1,
+        )
+
+    return jax.lax.cond(jnp.any(valid), run, lambda s: s, state)
+
+
+def admit_phase(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
+                masked_id: int | None, inp: Inputs, state: LoopState) -> LoopState:
+    """Waiting requests take free rows in priority order while the first one's prompt is resident
+    and a page is free for its copy of the prompt's last page."""
+
+    def head(state: LoopState):
+        priority = waiting_priority(state)
+        request = jnp.argmin(priority).astype(jnp.int32)
+        prompt = jnp.maximum(inp.request_prompts[request], 0)
+        partial = inp.prompt_lens[prompt] % shape.page_size != 0
+        ready = (priority[request] < 2 * shape.num_requests) & jnp.any(~state.active) \
+            & (state.prompt_state[prompt] == RESIDENT) & (state.free.count >= partial)
+        return request, prompt, partial, ready
+
+    def admit_one(state: LoopState) -> LoopState:
+        request, prompt, partial, _ = head(state)
+        length = inp.prompt_lens[prompt]
+        full = length // shape.page_size
+        slot = jnp.argmin(state.active)
+        column = jnp.arange(shape.table_pages)
+        shared = jnp.where(column < full, state.prompt_tables[prompt][
+            jnp.minimum(column, shape.prompt_pages - 1)], -1)
+        copy, free = pg.take(state.free, partial[None])
+        table = jnp.where(column == full, copy[0], shared)
+        source = state.prompt_tables[prompt, jnp.minimum(full, shape.prompt_pages - 1)]
+        pool = jax.lax.cond(partial, lambda p: model.copy_page(p, source, copy[0]),
+                            lambda p: p, state.pool)
+        state = note_usage(replace(state, pool=pool, free=free))
+        fresh = state.out_lengths[request] == 0
+        token, logprob = draw(spec, masked_id, inp, state.prompt_logits[prompt][None],
+                              request[None], jnp.zeros((1,), jnp.int32))
+        state = jax.lax.cond(fresh, lambda s: record(s, request[None], jnp.zeros((1,), jnp.int32),
+                                                     token, logprob, jnp.ones((1,), bool)),
+                             lambda s: s, state)
+        first = state.out_tokens[request, 0]
+        rows = jnp.arange(shape.num_slots) == slot
+        state = replace(
+            state,
+            active=state.active | rows,
+            row_request=jnp.where(rows, request, state.row_request),
+            row_cursor=jnp.where(rows, 0, state.row_cursor),
+            row_token=jnp.where(rows, first, state.row_token),
+            row_tables=jnp.where(rows[:, None], table[None], state.row_tables),
+            row_order=jnp.where(rows, state.admissions, state.row_order),
+            admissions=state.admissions + 1,
+            running=state.running.at[request].set(True),
+            prompt_rows=state.prompt_rows.at[prompt].add(1),
+            shared_pages=state.shared_pages + full,
+        )
+        ended = fresh & ends(inp, first[None], jnp.ones((1,), jnp.int32))[0]
+        return jax.lax.cond(ended, lambda s: vacate_rows(shape, inp, s, rows, rows),
+                            lambda s: s, state)
+
+    return jax.lax.while_loop(lambda s: head(s)[3], admit_one, state)
+
+
+def decode_phase(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
+                 masked_id: int | None, params: Any, inp: Inputs, state: LoopState) -> LoopState:
+    """One token through every active row; rows that end give their pages back."""
+    prompt = jnp.maximum(inp.request_prompts[state.row_request], 0)
+    positions = inp.prompt_lens[prompt] + state.row_cursor
+    column = positions // shape.page_size
+    rows = jnp.arange(shape.num_slots)
+    need = state.active & (state.row_tables[rows, column] < 0)
+    state, need = make_room(shape, inp, state, need)
+    taken, free = pg.take(state.free, need)
+    tables = state.row_tables.at[rows, column].set(
+        jnp.where(need, taken, state.row_tables[rows, column]))
+    state = note_usage(replace(state, free=free, row_tables=tables))
+    active = state.active
+    paged = PagedRows(
+        tokens=state.row_token[:, None],
+        positions=positions[:, None],
+        write_pages=jnp.where(active, tables[rows, column], shape.num_pages)[:, None],
+        write_offsets=(positions % shape.page_size)[:, None],
+        tables=tables,
+        kv_lens=jnp.where(active, positions + 1, 0),
+        q_lens=active.astype(jnp.int32),
+        logit_cols=jnp.zeros((shape.num_slots,), jnp.int32),
+    )
+    logits, pool = model.forward(params, state.pool, paged)
+    request, index = state.row_request, state.row_cursor + 1
+    known = index < state.out_lengths[request]
+    tokens, logprobs = draw(spec, masked_id, inp, logits, request, index)
+    state = record(replace(state, pool=pool), request, index, tokens, logprobs, active & ~known)
+    next_token = jnp.where(known, state.out_tokens[request, jnp.minimum(index, shape.max_new - 1)],
+                           tokens)
+    finished = active & ~known & ends(inp, tokens, index + 1)
+    state = replace(state, row_cursor=state.row_cursor + active, row_token=next_token)
+    return vacate_rows(shape, inp, state, finished, finished)
+
+
+# ----- sampling -------------------------------------------------------------------------------
+
+
+def draw(spec: SamplerSpec, masked_id: int | None, inp: Inputs, logits: jax.Array,
+         requests: jax.Array, token_index: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Token `token_index[b]` of request `requests[b]` from `logits[b]`, with its own key."""
+
+    def key_for(request, index):
+        return jax.random.fold_in(jax.random.fold_in(inp.key, inp.first_request_index + request),
+                                  index)
+
+    keys = jax.vmap(key_for)(requests, token_index)
+    return sample(spec, logits, keys, inp.temperature, inp.top_p, masked_id)
+
+
+def ends(inp: Inputs, tokens: jax.Array, counts: jax.Array) -> jax.Array:
+    """Whether a sequence of `counts` tokens whose last is `tokens` is over."""
+    stops = jnp.any(tokens[:, None] == inp.stop_ids[None, :], axis=-1)
+    return stops | (counts >= inp.max_new_tokens)
+
+
+def record(state: LoopState, requests, index, tokens, logprobs, valid) -> LoopState:
+    rows = jnp.where(valid, requests, state.out_tokens.shape[0])  # out of bounds: dropped
+    return replace(
+        state,
+        out_tokens=state.out_tokens.at[rows, index].set(tokens, mode="drop"),
+        out_logprobs=state.out_logprobs.at[rows, index].set(logprobs, mode="drop"),
+        out_lengths=state.out_lengths.at[rows].set(index + 1, mode="drop"),
+    )
+
+
+# ----- the program ----------------------------------------------------------------------------
+
+
+def initial_state(shape: ProgramShape, inp: Inputs, pool: Any, vocab: int) -> LoopState:
+    n, b, u = shape.num_requests, shape.num_slots, shape.num_prompts
+    real = inp.request_prompts >= 0
+    left = jnp.zeros((u,), jnp.int32).at[jnp.where(real, inp.request_prompts, u)].add(
+        1, mode="drop")
+    zeros_b = jnp.zeros((b,), jnp.int32)
+    zero = jnp.int32(0)
+    return LoopState(
+        pool=pool,
+        free=pg.full_stack(shape.num_pages),
+        prompt_tables=jnp.full((u, shape.prompt_pages), -1, jnp.int32),
+        prompt_state=jnp.zeros((u,), jnp.int32),
+        prompt_next_chunk=jnp.zeros((u,), jnp.int32),
+        prompt_rows=jnp.zeros((u,), jnp.int32),
+        prompt_left=left,
+        prompt_logits=jnp.zeros((u, vocab), jnp.float32),
+        active=jnp.zeros((b,), bool),
+        row_request=zeros_b,
+        row_cursor=zeros_b,
+        row_token=zeros_b,
+        row_tables=jnp.full((b, shape.table_pages), -1, jnp.int32),
+        row_order=zeros_b,
+        admissions=zero,
+        running=jnp.zeros((n,), bool),
+        done=~real,
+        out_tokens=jnp.zeros((n, shape.max_new), jnp.int32),
+        out_logprobs=jnp.zeros((n, shape.max_new), jnp.float32),
+        out_lengths=jnp.zeros((n,), jnp.int32),
+        iterations=zero, prefill_steps=zero, preemptions=zero, shared_pages=zero,
+        peak_pages=zero, stalled=jnp.bool_(False),
+    )
+
+
+def iteration(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
+              masked_id: int | None, params: Any, inp: Inputs, state: LoopState) -> LoopState:
+    """Prefill, admit, decode; `stalled` when none of them moved anything."""
+    before = (state.prefill_steps, state.admissions, jnp.sum(state.out_lengths))
+    state = prefill_phase(model, shape, params, inp, state)
+    state = admit_phase(model, shape, spec, masked_id, inp, state)
+    state = jax.lax.cond(
+        jnp.any(state.active),
+        lambda s: decode_phase(model, shape, spec, masked_id, params, inp, s),
+        lambda s: s, state)
+    moved = (state.prefill_steps > before[0]) | (state.admissions > before[1]) \
+        | jnp.any(state.active) | (jnp.sum(state.out_lengths) > before[2])
+    return replace(state, iterations=state.iterations + 1, stalled=~moved)
+
+
+def unfinished(state: LoopState) -> jax.Array:
+    return ~state.stalled & ~jnp.all(state.done)
 
 
 def build_program(
@@ -136,114 +500,34 @@ def build_program(
     shape: ProgramShape,
     spec: SamplerSpec,
     masked_id: int | None,
-) -> Callable[[Any, Inputs], Outputs]:
-    """The pure function `(params, inputs) -> outputs` for one shape; jit it over the model's
-    mesh. `masked_id` is never sampled (pad, unless pad is a stop id; None: nothing masked)."""
-    n, b = shape.num_requests, shape.num_slots
-    continuous = n > b
+    vocab: int,
+    lockstep_axis: str | None = None,
+) -> Callable[[Any, Any, Inputs], tuple[Outputs, Any]]:
+    """The pure function `(params, pool, inputs) -> (outputs, pool)` for one shape; jit it over
+    the model's mesh, donating the pool. `masked_id` is never sampled (None: nothing masked).
+    With `lockstep_axis`, every shard along that mesh axis iterates until all are done (the
+    single-controller structure: run it under `shard_map`)."""
 
-    def key_for(inp: Inputs, request: jax.Array, token_index: jax.Array) -> jax.Array:
-        request_key = jax.random.fold_in(inp.key, inp.first_request_index + request)
-        return jax.random.fold_in(request_key, token_index)
+    def keep_going(state: LoopState) -> jax.Array:
+        going = unfinished(state)
+        if lockstep_axis is None:
+            return going
+        return jax.lax.psum(going.astype(jnp.int32), lockstep_axis) > 0
 
-    def draw(logits, inp, requests, counts):
-        keys = jax.vmap(key_for, in_axes=(None, 0, 0))(inp, requests, counts)
-        return sample(spec, logits, keys, inp.temperature, inp.top_p, masked_id)
-
-    def ends(inp: Inputs, tokens: jax.Array, counts: jax.Array) -> jax.Array:
-        stops = jnp.any(tokens[:, None] == inp.stop_ids[None, :], axis=-1)
-        return stops | (counts >= inp.max_new_tokens)
-
-    def record(state, requests, counts, tokens, logprobs, valid):
-        rows = jnp.where(valid, requests, n)  # out of bounds: dropped
-        state["out_tokens"] = state["out_tokens"].at[rows, counts].set(tokens, mode="drop")
-        state["out_logprobs"] = state["out_logprobs"].at[rows, counts].set(logprobs, mode="drop")
-        state["out_lengths"] = state["out_lengths"].at[rows].set(counts + 1, mode="drop")
-        return state
-
-    def initial_state(inp: Inputs, store) -> dict[str, Any]:
-        store_logits, store_kv = store
-        requests = jnp.arange(b, dtype=jnp.int32)
-        real = inp.request_prompts[:b] >= 0
-        prompt = jnp.maximum(inp.request_prompts[:b], 0)
-        cache = model.rows(store_kv, prompt)
-        zeros = jnp.zeros((b,), jnp.int32)
-        tokens, logprobs = draw(store_logits[prompt], inp, requests, zeros)
-        state = {
-            "cache": cache,
-            "requests": requests,
-            "counts": zeros + 1,
-            "tokens": tokens,
-            "positions": inp.prompt_lens[prompt],
-            "active": real & ~ends(inp, tokens, zeros + 1),
-            "next_request": jnp.int32(b),
-            "iterations": jnp.int32(0),
-            "out_tokens": jnp.zeros((n, shape.max_new), jnp.int32),
-            "out_logprobs": jnp.zeros((n, shape.max_new), jnp.float32),
-            "out_lengths": jnp.zeros((n,), jnp.int32),
-        }
-        return record(state, requests, zeros, tokens, logprobs, real)
-
-    def admit_one(inp: Inputs, store, state):
-        """Copy the next waiting request's prompt into the first free row; sample token 0."""
-        store_logits, store_kv = store
-        slot = jnp.argmin(state["active"])
-        request = state["next_request"]
-        prompt = inp.request_prompts[request]
-        state["cache"] = model.admit(state["cache"], store_kv, slot, prompt)
-        zero = jnp.zeros((1,), jnp.int32)
-        logits = jax.lax.dynamic_slice_in_dim(store_logits, prompt, 1)
-        token, logprob = draw(logits, inp, request[None], zero)
-        state = record(state, request[None], zero, token, logprob, jnp.ones((1,), bool))
-        state["requests"] = state["requests"].at[slot].set(request)
-        state["counts"] = state["counts"].at[slot].set(1)
-        state["tokens"] = state["tokens"].at[slot].set(token[0])
-        state["positions"] = state["positions"].at[slot].set(inp.prompt_lens[prompt])
-        state["active"] = state["active"].at[slot].set(~ends(inp, token, zero + 1)[0])
-        state["next_request"] = request + 1
-        return state
-
-    def admit_waiting(inp: Inputs, store, state):
-        num_real = jnp.sum(inp.request_prompts >= 0)
-
-        def has_room(s):
-            return jnp.any(~s["active"]) & (s["next_request"] < num_real)
-
-        return jax.lax.while_loop(has_room, lambda s: admit_one(inp, store, s), state)
-
-    def decode_iteration(params, inp: Inputs, store, state):
-        logits, state["cache"] = model.decode_step(
-            params, state["cache"], state["tokens"], state["positions"]
-        )
-        active, counts = state["active"], state["counts"]
-        tokens, logprobs = draw(logits, inp, state["requests"], counts)
-        state = record(state, state["requests"], counts, tokens, logprobs, active)
-        counts = counts + active
-        state["counts"] = counts
-        state["tokens"] = tokens
-        state["positions"] = state["positions"] + 1
-        state["active"] = active & ~ends(inp, tokens, counts)
-        state["iterations"] = state["iterations"] + 1
-        if continuous:
-            state = admit_waiting(inp, store, state)
-        return state
-
-    def program(params, inp: Inputs) -> Outputs:
-        # The prompt store: last logits [U, V] and the model's cache of the prompts.
-        store = model.prefill(params, inp.prompts, jnp.maximum(inp.prompt_lens, 1))
-        state = initial_state(inp, store)
-        if continuous:
-            state = admit_waiting(inp, store, state)
+    def program(params: Any, pool: Any, inp: Inputs) -> tuple[Outputs, Any]:
+        state = initial_state(shape, inp, pool, vocab)
         state = jax.lax.while_loop(
-            lambda s: jnp.any(s["active"]),
-            lambda s: decode_iteration(params, inp, store, s),
-            state,
-        )
-        return Outputs(
-            tokens=state["out_tokens"],
-            logprobs=state["out_logprobs"],
-            lengths=state["out_lengths"],
-            iterations=state["iterations"],
-        )
+            keep_going,
+            lambda s: jax.lax.cond(unfinished(s),
+                                   lambda s: iteration(model, shape, spec, masked_id, params,
+                                                       inp, s),
+                                   lambda s: s, s),
+            state)
+        outputs = Outputs(
+            tokens=state.out_tokens, logprobs=state.out_logprobs, lengths=state.out_lengths,
+            iterations=state.iterations, prefill_steps=state.prefill_steps,
+            preemptions=state.preemptions, shared_pages=state.shared_pages,
+            peak_pages=state.peak_pages, stalled=state.stalled & ~jnp.all(state.done))
+        return outputs, state.pool
 
     return program

@@ -1,10 +1,12 @@
-"""JaxEngine: the JAX-native per-host rollout engine.
+"""JaxEngine: the JAX-native per-host rollout engine, paged.
 
-Data-parallel replicas over this host's devices (tensor parallelism inside a replica), each
-running one jitted program per share: prefill, then an on-device `lax.while_loop` decode with a
-per-row KV cache and, by default, continuous batching. Shapes are bucketed to powers of two so a
-run compiles a bounded number of programs. `lockstep=True` instead runs ONE program over all
-given devices with the batch sharded across them and every decode iteration in lockstep (the
+Data-parallel replicas over this host's devices (tensor parallelism inside a replica), each with
+its own KV page pool and one jitted program per share (`engine.decode_loop`): chunked prefill,
+admission and decode in one on-device loop, with continuous batching, prompt pages shared by the
+requests of a group, and preemption when the pool runs dry. The pool is sized once from device
+memory (`hbm_utilization`) and lives across calls. Shapes are bucketed to powers of two so a run
+compiles a bounded number of programs. `lockstep=True` instead runs ONE program over all given
+devices, a replica per device group, with every loop iteration in lockstep (the
 single-controller structure, kept as a benchmark baseline).
 """
 
@@ -21,21 +23,25 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3 import model as qwen3
 
-from tunix_mcjax import lora
+from tunix_mcjax import lora, memory
+from tunix_mcjax.engine import pages
 from tunix_mcjax.engine.base import Completion, Engine, FinishReason, SamplingParams
 from tunix_mcjax.engine.decode_loop import (
     DecodeModel,
     Inputs,
     Outputs,
     ProgramShape,
-    Qwen3DecodeModel,
     build_program,
 )
+from tunix_mcjax.engine.paged_attention import backend_attention
+from tunix_mcjax.engine.qwen3_forward import Qwen3PagedModel
 from tunix_mcjax.engine.sampling import SamplerSpec
 
 LeafPath = tuple[str, ...]
 MAX_STOP_IDS = 8
 MIN_PROMPT_BUCKET = 8
+DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # prefill tokens per loop iteration
+DEFAULT_HBM_UTILIZATION = 0.72  # MaxText's rl.yml default for hbm_utilization_vllm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,8 +55,14 @@ class _LeafSpec:
 class _Pending:
     """A dispatched program whose outputs are not read yet."""
 
-    request_ids: list[int]
+    request_ids: list[int]  # in row order: replica 0's share, then replica 1's (lockstep)
+    share_sizes: list[int]  # requests per replica of the program
+    shape: ProgramShape
     outputs: Outputs
+
+
+# Loop statistics an `Outputs` carries, per program: `JaxEngine.last_stats`.
+STAT_NAMES = ("iterations", "prefill_steps", "preemptions", "shared_pages", "peak_pages")
 
 
 def pow2_at_least(n: int) -> int:
@@ -79,16 +91,22 @@ def unflatten_tree(flat: Mapping[LeafPath, Any]) -> dict[str, Any]:
 
 
 def pack_prompts(
-    prompts: Sequence[np.ndarray], pad_id: int, prompt_len: int, multiple: int
+    prompts: Sequence[np.ndarray], pad_id: int, prompt_len: int, multiple: int,
+    share: bool = True,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Distinct prompts, right-padded: (tokens [U, prompt_len], lengths [U], request_prompts [N]).
 
     N and U are powers of two rounded up to `multiple`; padding requests point at prompt -1.
+    Without `share`, every request has a prompt of its own (no prefix sharing).
     """
-    distinct: dict[bytes, int] = {}
-    index = [distinct.setdefault(p.tobytes(), len(distinct)) for p in prompts]
+    if share:
+        distinct: dict[bytes, int] = {}
+        index = [distinct.setdefault(p.tobytes(), len(distinct)) for p in prompts]
+    else:
+        index = list(range(len(prompts)))
+    num_distinct = max(index) + 1
     n = -(-pow2_at_least(len(prompts)) // multiple) * multiple
-    u = -(-pow2_at_least(len(distinct)) // multiple) * multiple
+    u = -(-pow2_at_least(num_distinct) // multiple) * multiple
     request_prompts = np.full((n,), -1, np.int32)
     request_prompts[: len(index)] = index
     tokens = np.full((u, prompt_len), pad_id, np.int32)
@@ -129,10 +147,15 @@ class JaxEngine(Engine):
 
     `eos_ids` are the model's end-of-sequence ids (`engine.stops.model_stop_ids`); each ends a
     sequence unless `ignore_eos`. `max_batch_size` caps the rows one replica decodes at once
-    (rounded up to a power of two):
-    with continuous batching a larger share streams through that many rows; without it the
-    share runs in waves. `lockstep` decodes the whole batch at once and ignores it.
-    `data_parallelism` replicas use the first data_parallelism x tensor_parallelism devices.
+    (rounded up to a power of two): with continuous batching a larger share streams through
+    that many rows; without it the share runs in waves. `lockstep` decodes each replica's share
+    in one batch, all replicas iterating together. `data_parallelism` replicas use the first
+    data_parallelism x tensor_parallelism devices.
+
+    The KV pool of a replica: `page_size` tokens a page; `num_pages` pages, or (0) as many as
+    `hbm_utilization` of a device holds beside the engine's weights, never more than every row
+    at the caps could use. `max_num_batched_tokens` bounds the prompt tokens one loop iteration
+    prefills. `prefix_caching` lets the requests of one prompt share its pages.
     """
 
     def __init__(
@@ -149,6 +172,11 @@ class JaxEngine(Engine):
         lockstep: bool = False,
         max_batch_size: int = 64,
         data_parallelism: int = -1,
+        page_size: int = pages.DEFAULT_PAGE_SIZE,
+        num_pages: int = 0,
+        hbm_utilization: float = DEFAULT_HBM_UTILIZATION,
+        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
+        prefix_caching: bool = True,
     ):
         devices = list(devices)
         tp = tensor_parallelism
@@ -165,6 +193,9 @@ class JaxEngine(Engine):
         self._check_tensor_parallelism(tp)
         if max_prompt_length < 1 or max_new_tokens < 1 or max_batch_size < 1:
             raise ValueError("max_prompt_length, max_new_tokens and max_batch_size must be >= 1")
+        if page_size < 1 or max_num_batched_tokens < 1 or not 0 < hbm_utilization <= 1:
+            raise ValueError("page_size (vllm_block_size) and max_num_batched_tokens must be >= "
+                             "1, and hbm_utilization (hbm_utilization_vllm) in (0, 1]")
         self.pad_id = pad_id
         self.eos_ids = tuple(dict.fromkeys(int(i) for i in eos_ids))
         # Pad is sampled only when it is one of the model's EOS ids (Qwen3's <|endoftext|>).
@@ -174,15 +205,22 @@ class JaxEngine(Engine):
         self.continuous_batching = continuous_batching
         self.lockstep = lockstep
         self.max_batch_size = max_batch_size
+        self.page_size = page_size
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.prefix_caching = prefix_caching
         groups = np.array(devices, dtype=object).reshape(-1, tp)
         if lockstep:
             self.meshes = [self._mesh(groups)]
         else:
             self.meshes = [self._mesh(group.reshape(1, tp)) for group in groups]
         self._leaf_specs = self._param_specs(tp)
+        self.num_pages = num_pages or self._pages_for(devices[0], len(devices), hbm_utilization,
+                                                       tp)
+        self._check_pool()
         self._params: list[dict[LeafPath, jax.Array]] = [{} for _ in self.meshes]
+        self._pools: list[Any] = [None for _ in self.meshes]
         self._programs: dict[tuple[Any, ...], Any] = {}
-        self.last_iterations: list[int] = []  # decode iterations per program of the last call
+        self.last_stats: list[dict[str, int]] = []  # per program of the last call
 
     # ----- what a model family defines (Tunix Qwen3 here) -----
 
@@ -201,8 +239,9 @@ class JaxEngine(Engine):
     def _param_specs(self, tp: int) -> dict[LeafPath, _LeafSpec]:
         return _leaf_specs(self.model_config, tp)
 
-    def _decode_model(self, mesh: Mesh, shape: ProgramShape) -> DecodeModel:
-        return Qwen3DecodeModel(self.model_config, shape.max_new, mesh)
+    def _decode_model(self, mesh: Mesh) -> DecodeModel:
+        platform = mesh.devices.flat[0].platform
+        return Qwen3PagedModel(self.model_config, mesh, backend_attention(platform))
 
     def _tree(self, flat: Mapping[LeafPath, Any]) -> dict[str, Any]:
         """The nested param tree the decode model takes."""
@@ -215,6 +254,41 @@ class JaxEngine(Engine):
     @property
     def compile_count(self) -> int:
         return len(self._programs)
+
+    # ----- the page pool -----
+
+    def _page_bytes(self, tp: int) -> int:
+        cfg = self.model_config
+        itemsize = np.dtype(cfg.dtype).itemsize
+        return pages.page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.page_size,
+                                itemsize, tp)
+
+    def _pages_needed(self) -> int:
+        slots = pow2_at_least(self.max_batch_size)
+        return pages.pages_needed(slots, self.max_prompt_length, self.max_new_tokens,
+                                  self.page_size)
+
+    def _pages_for(self, device: jax.Device, local_devices: int, utilization: float,
+                   tp: int) -> int:
+        """Pages a replica's pool takes: `utilization` of a device, less the engine's weights."""
+        weights = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+                      for s in self._leaf_specs.values()) // tp
+        budget = int(utilization * memory.device_memory_bytes(device, local_devices)) - weights
+        return pages.pool_pages(budget, self._page_bytes(tp), self._pages_needed())
+
+    def _check_pool(self) -> None:
+        """One sequence at the caps, with its prompt's pages, must fit: then the loop always
+        moves (a lone row never waits on a page)."""
+        least = (pages.cdiv(self.max_prompt_length, self.page_size)
+                 + pages.sequence_pages(self.max_prompt_length, self.max_new_tokens,
+                                        self.page_size))
+        if self.num_pages < least:
+            raise ValueError(
+                f"the KV page pool holds {self.num_pages} pages of {self.page_size} tokens, but "
+                f"one sequence at the caps (max_prefill_predict_length={self.max_prompt_length} "
+                f"prompt tokens, {self.max_new_tokens} new) needs {least}: raise "
+                "hbm_utilization_vllm (the engine's share of device memory), or lower "
+                "max_prefill_predict_length / max_target_length")
 
     # ----- weights -----
 
@@ -351,75 +425,153 @@ class JaxEngine(Engine):
         prompt_bucket: int,
         new_bucket: int,
     ) -> list[_Pending]:
-        """Launch one replica's share without blocking: one program, or waves without CB."""
+        """Launch one replica's share without blocking: one program, or waves without CB.
+        In lockstep, `replica` 0 runs every replica's share in one program."""
         mesh_index = 0 if self.lockstep else replica
         mesh = self.meshes[mesh_index]
-        data_size = mesh.shape["data"]
         if self.lockstep or self.continuous_batching:
             batches = [request_ids]
         else:
             size = self.max_batch_size
             batches = [request_ids[i : i + size] for i in range(0, len(request_ids), size)]
-        stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
-        stops = self._stop_ids(sampling)
-        stop_ids[: len(stops)] = stops
         pending, first = [], 0
         for batch in batches:
-            tokens, lens, request_prompts = pack_prompts(
-                [prompts[r] for r in batch], self.pad_id, prompt_bucket, data_size
-            )
-            n, u = len(request_prompts), len(lens)
-            slots = n if self.lockstep else min(n, pow2_at_least(self.max_batch_size))
-            shape = ProgramShape(n, slots, u, prompt_bucket, new_bucket)
-            batch_sharding = NamedSharding(mesh, P("data"))
-            replicated = NamedSharding(mesh, P())
-            inputs = Inputs(
-                prompts=jax.device_put(tokens, batch_sharding),
-                prompt_lens=jax.device_put(lens, batch_sharding),
-                request_prompts=jax.device_put(request_prompts, batch_sharding),
-                key=jax.device_put(key, replicated),
-                first_request_index=jax.device_put(np.int32(first), replicated),
-                temperature=jax.device_put(
-                    np.float32(1.0 if sampling.greedy else sampling.temperature), replicated
-                ),
-                top_p=jax.device_put(np.float32(sampling.top_p), replicated),
-                stop_ids=jax.device_put(stop_ids, replicated),
-                max_new_tokens=jax.device_put(np.int32(sampling.max_new_tokens), replicated),
-            )
+            # In lockstep each device group takes a slice; request i keeps key index i.
+            parts = mesh.shape["data"] if self.lockstep else 1
+            shares = [[int(r) for r in part] for part in np.array_split(batch, parts)]
+            offsets = np.cumsum([0] + [len(share) for share in shares[:-1]])
+            host_inputs = [self._host_inputs([prompts[r] for r in share], sampling, key,
+                                             first + int(offset), prompt_bucket)
+                           for share, offset in zip(shares, offsets, strict=True)]
+            shape = self._shape(host_inputs, prompt_bucket, new_bucket)
+            host_inputs = [self._pad_inputs(h, shape) for h in host_inputs]
+            inputs = self._device_inputs(host_inputs, mesh)
             params = self._tree(self._params[mesh_index])
-            program = self._program(mesh_index, shape, spec, params, inputs)
-            pending.append(_Pending(batch, program(params, inputs)))
+            pool = self._pool(mesh_index)
+            program = self._program(mesh_index, shape, spec, params, pool, inputs)
+            outputs, self._pools[mesh_index] = program(params, pool, inputs)
+            pending.append(_Pending([r for share in shares for r in share],
+                                    [len(share) for share in shares], shape, outputs))
             first += len(batch)
         return pending
 
-    def _program(self, mesh_index: int, shape: ProgramShape, spec: SamplerSpec, params, inputs):
+    def _host_inputs(self, prompts: list[np.ndarray], sampling: SamplingParams, key: jax.Array,
+                     first: int, prompt_bucket: int) -> dict[str, Any]:
+        tokens, lens, request_prompts = pack_prompts(prompts, self.pad_id, prompt_bucket, 1,
+                                                     share=self.prefix_caching)
+        stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
+        stops = self._stop_ids(sampling)
+        stop_ids[: len(stops)] = stops
+        return dict(
+            prompts=tokens, prompt_lens=lens, request_prompts=request_prompts, key=key,
+            first_request_index=np.int32(first),
+            temperature=np.float32(1.0 if sampling.greedy else sampling.temperature),
+            top_p=np.float32(sampling.top_p), stop_ids=stop_ids,
+            max_new_tokens=np.int32(sampling.max_new_tokens))
+
+    def _shape(self, host_inputs: list[dict[str, Any]], prompt_bucket: int,
+               new_bucket: int) -> ProgramShape:
+        """The program shape of a share: the largest request and prompt counts of its replicas."""
+        n = max(len(h["request_prompts"]) for h in host_inputs)
+        u = max(len(h["prompt_lens"]) for h in host_inputs)
+        chunk = min(prompt_bucket, 1 << (self.max_num_batched_tokens.bit_length() - 1))
+        return ProgramShape(
+            num_requests=n, num_slots=n if self.lockstep else min(n, pow2_at_least(
+                self.max_batch_size)),
+            num_prompts=u, prompt_len=prompt_bucket, max_new=new_bucket,
+            page_size=self.page_size, num_pages=self.num_pages, chunk=chunk,
+            prefill_rows=max(1, min(u, self.max_num_batched_tokens // chunk)))
+
+    @staticmethod
+    def _pad_inputs(h: dict[str, Any], shape: ProgramShape) -> dict[str, Any]:
+        """Pad a replica's requests and prompts to the program's counts."""
+        h = dict(h)
+        pad_n = shape.num_requests - len(h["request_prompts"])
+        pad_u = shape.num_prompts - len(h["prompt_lens"])
+        h["request_prompts"] = np.pad(h["request_prompts"], (0, pad_n), constant_values=-1)
+        h["prompt_lens"] = np.pad(h["prompt_lens"], (0, pad_u))
+        h["prompts"] = np.pad(h["prompts"], ((0, pad_u), (0, 0)))
+        return h
+
+    def _device_inputs(self, host_inputs: list[dict[str, Any]], mesh: Mesh) -> Inputs:
+        """One replica's inputs, or in lockstep every replica's stacked along `data`."""
+        if not self.lockstep:
+            replicated = NamedSharding(mesh, P())
+            return Inputs(**{k: jax.device_put(v, replicated)
+                             for k, v in host_inputs[0].items()})
+        stacked = NamedSharding(mesh, P("data"))
+        return Inputs(**{k: jax.device_put(np.stack([np.asarray(h[k]) for h in host_inputs]),
+                                           stacked) for k in host_inputs[0]})
+
+    def _pool(self, mesh_index: int) -> Any:
+        """The replica's page pool, made on first use and kept across calls."""
+        if self._pools[mesh_index] is None:
+            mesh = self.meshes[mesh_index]
+            model = self._decode_model(mesh)
+            replicas = mesh.shape["data"]  # > 1 in lockstep only: a pool slice each
+            self._pools[mesh_index] = model.empty_pool(self.num_pages * replicas, self.page_size)
+        return self._pools[mesh_index]
+
+    def _program(self, mesh_index: int, shape: ProgramShape, spec: SamplerSpec, params, pool,
+                 inputs):
         """The compiled program for (replica, shape, sampler), compiling it on first use."""
         cache_key = (mesh_index, shape, spec)
         if cache_key not in self._programs:
-            model = self._decode_model(self.meshes[mesh_index], shape)
-            fn = build_program(model, shape, spec, self.masked_id)
-            self._programs[cache_key] = jax.jit(fn).lower(params, inputs).compile()
+            mesh = self.meshes[mesh_index]
+            model = self._decode_model(mesh)
+            vocab = self.model_config.vocab_size
+            if self.lockstep:
+                fn = self._lockstep(build_program(model, shape, spec, self.masked_id, vocab,
+                                                  lockstep_axis="data"), mesh)
+            else:
+                fn = build_program(model, shape, spec, self.masked_id, vocab)
+            self._programs[cache_key] = jax.jit(fn, donate_argnums=1).lower(
+                params, pool, inputs).compile()
         return self._programs[cache_key]
+
+    @staticmethod
+    def _lockstep(program, mesh: Mesh):
+        """Each device group of `mesh` runs its replica's program on its slice of the pool and
+        of the stacked inputs; the loop condition is one all-reduce over `data`."""
+        def per_replica(params, pool, inputs):
+            inputs = jax.tree.map(lambda x: x[0], inputs)
+            outputs, pool = program(params, pool, inputs)
+            return jax.tree.map(lambda x: x[None], outputs), pool
+
+        return jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), P("data"), P("data")),
+                             out_specs=(P("data"), P("data")), axis_names={"data"},
+                             check_vma=False)
 
     def _collect(
         self, pending: list[_Pending], num_requests: int, sampling: SamplingParams
     ) -> list[Completion]:
         results: list[Completion | None] = [None] * num_requests
-        self.last_iterations = []
+        self.last_stats = []
         for item in pending:
-            tokens = np.asarray(item.outputs.tokens)
-            logprobs = np.asarray(item.outputs.logprobs)
-            lengths = np.asarray(item.outputs.lengths)
-            self.last_iterations.append(int(item.outputs.iterations))
-            for row, request in enumerate(item.request_ids):
-                n = int(lengths[row])
-                seq = tokens[row, :n].copy()
+            out = jax.tree.map(np.asarray, item.outputs)
+            if not self.lockstep:  # one replica: give it the lockstep layout [replicas, ...]
+                out = jax.tree.map(lambda x: x[None], out)
+            if out.stalled.any():
+                raise RuntimeError(
+                    f"the decode loop stopped with requests left: the KV page pool "
+                    f"({self.num_pages} pages) could not hold them; raise hbm_utilization_vllm")
+            for r in range(out.tokens.shape[0]):
+                self.last_stats.append({name: int(getattr(out, name)[r]) for name in STAT_NAMES})
+            rows = [(r, i) for r, count in enumerate(item.share_sizes) for i in range(count)]
+            for (replica, row), request in zip(rows, item.request_ids, strict=True):
+                n = int(out.lengths[replica, row])
+                seq = out.tokens[replica, row, :n].copy()
                 results[request] = Completion(
                     tokens=seq,
-                    logprobs=logprobs[row, :n].copy(),
+                    logprobs=out.logprobs[replica, row, :n].copy(),
                     finish_reason=self._finish_reason(seq, sampling),
                 )
         return results  # type: ignore[return-value]
+
+    @property
+    def last_iterations(self) -> list[int]:
+        """Loop iterations per program (per replica in lockstep) of the last call."""
+        return [stats["iterations"] for stats in self.last_stats]
 
     def _stop_ids(self, sampling: SamplingParams) -> list[int]:
         eos = [] if sampling.ignore_eos else list(self.eos_ids)

@@ -4,7 +4,9 @@ It decodes any family MaxText trains (dense Qwen3, Qwen3 MoE, gpt-oss, Gemma4) w
 own param tree, no per-family weight mapping: MaxText's model runs in its prefill and
 autoregressive KV-cache modes (`engine.maxtext_model`), driven by the same decode loop, sampler,
 seeds, stop handling, continuous batching and DP replicas as the JAX engine, on meshes over this
-host's devices only. Everything but the model is `JaxEngine`'s.
+host's devices only. Everything but the model is `JaxEngine`'s, except that MaxText's model
+still decodes over one dense KV row per slot (`engine.dense_loop`), not the page pool: its
+attention has no paged path of ours yet.
 """
 
 from __future__ import annotations
@@ -14,14 +16,19 @@ from typing import Any
 
 import jax
 import numpy as np
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from tunix_mcjax.engine.decode_loop import DecodeModel, ProgramShape
+from tunix_mcjax.engine import dense_loop
+from tunix_mcjax.engine.base import SamplingParams
+from tunix_mcjax.engine.decode_loop import Outputs
 from tunix_mcjax.engine.jax_engine import (
     JaxEngine,
     LeafPath,
     _LeafSpec,
+    _Pending,
     flatten_tree,
+    pow2_at_least,
     unflatten_tree,
 )
 from tunix_mcjax.engine.maxtext_model import (
@@ -32,6 +39,7 @@ from tunix_mcjax.engine.maxtext_model import (
     stacked_layers,
     unstack_layers,
 )
+from tunix_mcjax.engine.sampling import SamplerSpec
 
 
 class MaxTextEngine(JaxEngine):
@@ -68,7 +76,7 @@ class MaxTextEngine(JaxEngine):
     def _mesh(self, devices: np.ndarray) -> Mesh:
         return local_mesh(self.model_config, devices)
 
-    def _config(self, shape: ProgramShape | None = None) -> Any:
+    def _config(self, shape: dense_loop.ProgramShape | None = None) -> Any:
         if shape is None:
             config = decode_config(self.model_config, batch=1, prompt_len=1, max_new=1,
                                    weight_dtype=self.weight_dtype)
@@ -93,8 +101,46 @@ class MaxTextEngine(JaxEngine):
                                                    cfg.param_scan_axis))
         super().load_weights(params)
 
-    def _decode_model(self, mesh: Mesh, shape: ProgramShape) -> DecodeModel:
-        return MaxTextDecodeModel(self._config(shape), mesh)
+    # ----- the dense decode of MaxText's model (no page pool) -----
+
+    def _pages_for(self, *args: Any) -> int:
+        return 0
+
+    def _check_pool(self) -> None:
+        pass
+
+    def _dispatch(self, replica: int, request_ids: list[int], prompts: list[np.ndarray],
+                  sampling: SamplingParams, spec: SamplerSpec, key: jax.Array,
+                  prompt_bucket: int, new_bucket: int) -> list[_Pending]:
+        """One replica's share through `dense_loop`, one program or waves without CB."""
+        mesh = self.meshes[replica]
+        size = len(request_ids) if self.continuous_batching else self.max_batch_size
+        pending, first = [], 0
+        for start in range(0, len(request_ids), size):
+            batch = request_ids[start:start + size]
+            host = self._host_inputs([prompts[r] for r in batch], sampling, key, first,
+                                     prompt_bucket)
+            n, u = len(host["request_prompts"]), len(host["prompt_lens"])
+            shape = dense_loop.ProgramShape(n, min(n, pow2_at_least(self.max_batch_size)), u,
+                                            prompt_bucket, new_bucket)
+            replicated = NamedSharding(mesh, P())
+            inputs = dense_loop.Inputs(**{k: jax.device_put(v, replicated)
+                                          for k, v in host.items()})
+            params = self._tree(self._params[replica])
+            cache_key = (replica, shape, spec)
+            if cache_key not in self._programs:
+                model = MaxTextDecodeModel(self._config(shape), mesh)
+                fn = dense_loop.build_program(model, shape, spec, self.masked_id)
+                self._programs[cache_key] = jax.jit(fn).lower(params, inputs).compile()
+            dense = self._programs[cache_key](params, inputs)
+            zero = np.int32(0)
+            outputs = Outputs(tokens=dense.tokens, logprobs=dense.logprobs,
+                              lengths=dense.lengths, iterations=dense.iterations,
+                              prefill_steps=zero, preemptions=zero, shared_pages=zero,
+                              peak_pages=zero, stalled=np.bool_(False))
+            pending.append(_Pending(batch, [len(batch)], shape, outputs))
+            first += len(batch)
+        return pending
 
     def _tree(self, flat: Mapping[LeafPath, Any]) -> dict[Any, Any]:
         """MaxText's pure-dict param tree, with its own keys (integers stay integers)."""

@@ -1,28 +1,51 @@
-"""A functional Qwen3 forward over the Tunix param tree, with a KV cache written per row.
+"""A functional Qwen3 forward over the Tunix param tree, decoding over a KV page pool.
 
 Numerically it follows `tunix.models.qwen3.model` (per-head q/k RMSNorm, RoPE, GQA, fp32 softmax
-and logits). Unlike Tunix's cache, which writes every row at one shared index, each row here writes
-its new key/value at its own position, so rows can be at different points of their sequences.
+and logits). Unlike Tunix's cache, which writes every row at one shared index, each token here
+writes its key/value into the page and slot its row's block table gives (`engine.pages`), so
+rows can be at different points of their sequences and share prompt pages.
 Params are the nested dict of `nnx.to_pure_dict(nnx.state(model, nnx.Param))` with string keys.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3.model import K_MASK, ModelConfig
 
 from tunix_mcjax import lora
+from tunix_mcjax.engine.paged_attention import combine_kv
 
 Params = dict[str, Any]
 # Tunix 0.1.7's attention calls `apply_rope` without `config.rope_theta`, so its Qwen3 always
 # rotates with the default 1e6. The trainer scores with Tunix's model; we match it, not the config.
 TUNIX_ROPE_THETA = 1_000_000
-# keys [B, K, H, S] and values [B, K, S, H] (K kv heads, H head dim, S cache length): the layouts
-# the decode attention contracts without transposing the whole cache every step.
-LayerCache = tuple[jax.Array, jax.Array]
+# (q, layer pages, tables, kv_lens, q_lens) -> attention out (`engine.paged_attention`).
+Attention = Callable[..., jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedRows:
+    """One model call over the page pool: R rows of C tokens (a prefill chunk, or one decode
+    token per row), with where each token's key/value goes and what each row attends to."""
+
+    tokens: jax.Array  # int32 [R, C]
+    positions: jax.Array  # int32 [R, C]
+    write_pages: jax.Array  # int32 [R, C]: page of each token; num_pages (dropped) for padding
+    write_offsets: jax.Array  # int32 [R, C]: slot in that page
+    tables: jax.Array  # int32 [R, S]: each row's block table
+    kv_lens: jax.Array  # int32 [R]: tokens of the row's sequence after this call
+    q_lens: jax.Array  # int32 [R]: real tokens of the row in this call
+    logit_cols: jax.Array  # int32 [R]: the column whose logits are returned
+
+
+jax.tree_util.register_dataclass(PagedRows)
 
 
 def rms_norm(x: jax.Array, w: jax.Array, eps: float, dtype: Any) -> jax.Array:
@@ -106,77 +129,59 @@ def _logits(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     return logits.astype(jnp.float32)
 
 
-def prefill(
-    cfg: ModelConfig, params: Params, tokens: jax.Array, lengths: jax.Array
-) -> tuple[jax.Array, list[LayerCache]]:
-    """Left-aligned prompts tokens [B, T] (right-padded) -> (logits at lengths-1 [B, V], per-layer
-    cache of length T). Token i sits at position i."""
-    b, t = tokens.shape
-    positions = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    causal = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), dtype=bool)), (b, t, t))
-
-    def attend(q, k, v):
-        return attention(q, k, v, causal), (k.transpose(0, 2, 3, 1), v.transpose(0, 2, 1, 3))
-
-    x = embed_tokens(cfg, params, tokens)
-    cache = []
-    for i in range(cfg.num_layers):
-        x, layer_cache = decoder_layer(cfg, params["layers"][str(i)], x, positions, attend)
-        cache.append(layer_cache)
-    last = jnp.take_along_axis(x, (lengths - 1)[:, None, None], axis=1)[:, 0]
-    return _logits(cfg, params, last), cache
-
-
-def empty_cache(cfg: ModelConfig, batch: int, cache_len: int) -> list[LayerCache]:
-    kv, h = cfg.num_kv_heads, cfg.head_dim
-    return [
-        (
-            jnp.zeros((batch, kv, h, cache_len), cfg.dtype),
-            jnp.zeros((batch, kv, cache_len, h), cfg.dtype),
-        )
-        for _ in range(cfg.num_layers)
-    ]
-
-
-def decode_attention(
-    q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, mask: jax.Array
-) -> jax.Array:
-    """One query per row: q [B, N, H], k_cache [B, K, H, S], v_cache [B, K, S, H], mask [B, S]."""
-    b, n, h = q.shape
-    kv_heads = k_cache.shape[1]
-    q = q.reshape(b, kv_heads, n // kv_heads, h)
-    scores = jnp.einsum("BKGH,BKHS->BKGS", q, k_cache) * h**-0.5
-    scores = jnp.where(mask[:, None, None, :], scores, K_MASK)
-    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v_cache.dtype)
-    return jnp.einsum("BKGS,BKSH->BKGH", probs, v_cache).reshape(b, n, h)
-
-
-def decode_step(
+def paged_forward(
     cfg: ModelConfig,
     params: Params,
-    cache: list[LayerCache],
-    tokens: jax.Array,
-    positions: jax.Array,
-) -> tuple[jax.Array, list[LayerCache]]:
-    """One token per row: tokens [B] at positions [B] -> (logits [B, V], updated cache).
+    pool: list[jax.Array],
+    rows: PagedRows,
+    attention: Attention,
+) -> tuple[jax.Array, list[jax.Array]]:
+    """Rows of tokens through the model over a page pool -> (fp32 logits [R, V] at each row's
+    `logit_cols`, the pool with every real token's key/value written).
 
-    Row b writes its key/value at cache index positions[b] and attends to indices <= positions[b].
-    """
-    b = tokens.shape[0]
-    cache_len = cache[0][0].shape[-1]
-    rows = jnp.arange(b)
-    mask = jnp.arange(cache_len)[None, :] <= positions[:, None]
-    x = embed_tokens(cfg, params, tokens[:, None])
-    new_cache = []
+    Each layer writes its keys/values into the pool before attending, so a row's queries see
+    the tokens of the same call that precede them (a prefill chunk) as well as earlier ones."""
+    r = rows.tokens.shape[0]
+    x = embed_tokens(cfg, params, rows.tokens)
+    new_pool = []
     for i in range(cfg.num_layers):
-        k_cache, v_cache = cache[i]
+        layer_pages = pool[i]
 
-        def attend(q, k, v, k_cache=k_cache, v_cache=v_cache):
-            k_cache = k_cache.at[rows, :, :, positions].set(k[:, 0], mode="drop")
-            v_cache = v_cache.at[rows, :, positions, :].set(v[:, 0], mode="drop")
-            out = decode_attention(q[:, 0], k_cache, v_cache, mask)
-            return out[:, None], (k_cache, v_cache)
+        def attend(q, k, v, layer_pages=layer_pages):
+            written = layer_pages.at[rows.write_pages, rows.write_offsets].set(
+                combine_kv(k, v).astype(layer_pages.dtype), mode="drop")
+            out = attention(q, written, rows.tables, rows.kv_lens, rows.q_lens)
+            return out, written
 
-        x, layer_cache = decoder_layer(cfg, params["layers"][str(i)], x, positions[:, None], attend)
-        new_cache.append(layer_cache)
-    return _logits(cfg, params, x[:, 0]), new_cache
+        x, layer_pages = decoder_layer(cfg, params["layers"][str(i)], x, rows.positions, attend)
+        new_pool.append(layer_pages)
+    last = x[jnp.arange(r), rows.logit_cols]
+    return _logits(cfg, params, last), new_pool
+
+
+def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int) -> list[jax.Array]:
+    """One page array per layer, [num_pages, page_size, 2 * kv_heads, head_dim]."""
+    shape = (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
+    return [jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_layers)]
+
+
+class Qwen3PagedModel:
+    """Tunix Qwen3 as the decode loop's model (`decode_loop.DecodeModel`), on a replica's mesh
+    [data, tp]: the pool's combined kv heads are split over `tp`, as the attention heads are,
+    and its pages over `data` (more than one replica only in lockstep, a pool slice each)."""
+
+    def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh, attention: Attention):
+        self.cfg, self.attention, self.mesh = cfg, attention, mesh
+
+    def empty_pool(self, num_pages: int, page_size: int) -> list[jax.Array]:
+        make = jax.jit(lambda: empty_pool(self.cfg, num_pages, page_size),
+                       out_shardings=NamedSharding(self.mesh, P("data", None, "tp", None)))
+        return make()
+
+    def forward(self, params: Params, pool: list[jax.Array], rows: PagedRows):
+        logits, pool = paged_forward(self.cfg, params, pool, rows, self.attention)
+        heads = NamedSharding(self.mesh, P(None, None, "tp", None))
+        return logits, [jax.lax.with_sharding_constraint(p, heads) for p in pool]
+
+    def copy_page(self, pool: list[jax.Array], source: jax.Array, target: jax.Array):
+        return [p.at[target].set(p[source]) for p in pool]

@@ -1,0 +1,87 @@
+"""The KV page pool: sizes, and a free stack that hands out and takes back pages on device.
+
+A replica's KV cache is a pool of fixed-size pages per layer, `[num_pages, page_size,
+2 * kv_heads, head_dim]` with keys at even and values at odd combined heads (the layout of
+JAX's TPU `ragged_paged_attention`). A sequence owns a block table: entry i is the page that
+holds its positions `[i * page_size, (i + 1) * page_size)`, -1 where none is allocated yet.
+Nothing is sized to a cap: pages are taken as sequences grow and given back when they end.
+
+The arithmetic here is shared by the engine and the planner (`plan.py`), so they agree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+DEFAULT_PAGE_SIZE = 16  # tokens per page (`vllm_block_size`), vLLM's GPU default
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def page_bytes(num_layers: int, kv_heads: int, head_dim: int, page_size: int,
+               dtype_bytes: int, tensor_parallelism: int = 1) -> int:
+    """Bytes one page takes on one device, over all layers (keys and values)."""
+    return num_layers * page_size * 2 * kv_heads * head_dim * dtype_bytes // tensor_parallelism
+
+
+def table_pages(prompt_len: int, max_new: int, page_size: int) -> int:
+    """Entries of a sequence's block table: every page its positions can reach."""
+    return cdiv(prompt_len + max_new, page_size)
+
+
+def sequence_pages(prompt_len: int, max_new: int, page_size: int) -> int:
+    """Pages one sequence can hold at once, at most: its table's, plus the prompt page whose
+    partly filled copy the table holds instead."""
+    return table_pages(prompt_len, max_new, page_size) + 1
+
+
+def pages_needed(num_slots: int, prompt_len: int, max_new: int, page_size: int) -> int:
+    """Pages that let every slot hold a sequence at the caps at once: the most a pool can use.
+    Sharing a prompt between the rows of a group only lowers what the rows use."""
+    return num_slots * sequence_pages(prompt_len, max_new, page_size)
+
+
+def pool_pages(budget_bytes: int, one_page_bytes: int, needed: int) -> int:
+    """Pages a pool of `budget_bytes` holds, never more than it can use (`needed`)."""
+    return max(0, min(needed, budget_bytes // max(1, one_page_bytes)))
+
+
+@dataclasses.dataclass(frozen=True)
+class FreeStack:
+    """Free page ids `pages[:count]` (a stack; the top is `pages[count - 1]`)."""
+
+    pages: jax.Array  # int32 [num_pages]
+    count: jax.Array  # int32
+
+
+jax.tree_util.register_dataclass(FreeStack)
+
+
+def full_stack(num_pages: int) -> FreeStack:
+    """Every page free; page 0 is handed out last."""
+    return FreeStack(jnp.arange(num_pages, dtype=jnp.int32)[::-1], jnp.int32(num_pages))
+
+
+def take(stack: FreeStack, want: jax.Array) -> tuple[jax.Array, FreeStack]:
+    """One page for each True of `want` (any shape), in row-major order; -1 elsewhere.
+
+    The caller checks `sum(want) <= stack.count` first."""
+    flat = want.reshape(-1)
+    rank = jnp.cumsum(flat) - 1
+    index = jnp.clip(stack.count - 1 - rank, 0, stack.pages.shape[0] - 1)
+    pages = jnp.where(flat, stack.pages[index], -1)
+    return pages.reshape(want.shape), FreeStack(stack.pages, stack.count - jnp.sum(flat))
+
+
+def give(stack: FreeStack, pages: jax.Array, release: jax.Array) -> FreeStack:
+    """Push `pages` where `release` (same shape) is True; pages < 0 are ignored."""
+    flat = (release & (pages >= 0)).reshape(-1)
+    rank = jnp.cumsum(flat) - 1
+    slot = jnp.where(flat, stack.count + rank, stack.pages.shape[0])  # out of bounds: dropped
+    stacked = stack.pages.at[slot].set(pages.reshape(-1), mode="drop")
+    return FreeStack(stacked, stack.count + jnp.sum(flat))
