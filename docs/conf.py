@@ -1,0 +1,27 @@
+"""Sphinx configuration for the tunix_mcjax documentation (MyST Markdown, book theme)."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent / "_ext"))
+
+project = "tunix_mcjax"
+copyright = "tunix_mcjax authors"
+author = "tunix_mcjax authors"
+
+extensions = ["myst_parser", "repo_files"]
+source_suffix = {".md": "markdown"}
+root_doc = "index"
+exclude_patterns = ["_build", "_ext"]
+
+# GitHub-style heading slugs, so `page.md#a-heading` works here and on GitHub alike.
+myst_heading_anchors = 4
+myst_enable_extensions = ["colon_fence"]
+
+html_theme = "sphinx_book_theme"
+html_title = "tunix_mcjax"
+html_theme_options = {
+    "show_toc_level": 2,
+    "home_page_in_toc": True,
+}
+html_static_path = []
