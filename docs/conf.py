@@ -23,5 +23,8 @@ html_title = "tunix_mcjax"
 html_theme_options = {
     "show_toc_level": 2,
     "home_page_in_toc": True,
+    # The sidebar has the search field; without this the pydata base theme adds a second one
+    # in a header bar of its own.
+    "navbar_persistent": [],
 }
 html_static_path = []

@@ -128,13 +128,15 @@ def test_quoted_result_files_exist(page):
 
 def test_every_page_is_in_the_table_of_contents():
     index = (DOCS / "index.md").read_text()
-    listed = set(re.findall(r"^([\w-]+)\s*$", "\n".join(re.findall(r"```\{toctree\}(.*?)```", index, re.S)), re.M))
+    toctrees = "\n".join(re.findall(r"```\{toctree\}(.*?)```", index, re.S))
+    listed = set(re.findall(r"^([\w-]+)\s*$", toctrees, re.M))
     pages = {p.stem for p in DOCS.glob("*.md")} - {"index"}
     assert pages <= listed, f"pages missing from docs/index.md's toctree: {sorted(pages - listed)}"
 
 
 def test_slugs_follow_myst():
-    assert github_slug(heading_title("Ablation: O1–O4 one at a time")) == "ablation-o1o4-one-at-a-time"
+    slug = github_slug(heading_title("Ablation: O1–O4 one at a time"))
+    assert slug == "ablation-o1o4-one-at-a-time"
     assert (
         github_slug(heading_title("`rollout_engine=jax` (`engine/jax_engine.py`)"))
         == "rollout_enginejax-enginejax_enginepy"

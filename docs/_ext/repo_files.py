@@ -112,7 +112,7 @@ def copy_linked(app: Sphinx, exception: Exception | None) -> None:
         return
     root = repo_root(app)
     out = Path(app.outdir) / OUT_DIR
-    linked = set().union(*app.env.repo_files_linked.values()) if app.env.repo_files_linked else set()
+    linked = set().union(set(), *app.env.repo_files_linked.values())
     for rel in sorted(linked):
         if rel.endswith("/"):
             folder = rel.rstrip("/")
