@@ -27,4 +27,5 @@ html_theme_options = {
     # in a header bar of its own.
     "navbar_persistent": [],
 }
-html_static_path = []
+html_static_path = ["_static"]
+html_css_files = ["custom.css"]
