@@ -17,6 +17,8 @@ exclude_patterns = ["_build", "_ext"]
 # GitHub-style heading slugs, so `page.md#a-heading` works here and on GitHub alike.
 myst_heading_anchors = 4
 myst_enable_extensions = ["colon_fence"]
+# Unlabelled code blocks (diagrams, logs) are shown as they are, not guessed at as Python.
+highlight_language = "none"
 
 html_theme = "sphinx_book_theme"
 html_title = "tunix_mcjax"
