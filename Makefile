@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOSTS ?= 2
 DEVICES ?= 2
 
-.PHONY: setup demo test test-all lint lock clean
+.PHONY: setup demo test test-all lint lock clean docs docs-clean
 
 setup: $(VENV)/.patched
 
@@ -69,3 +69,21 @@ lock-vllm:
 	  $(VENV_VLLM)/bin/pip list --format=freeze --exclude-editable | grep -v '^pip==' ) \
 	  > constraints-vllm.txt
 	touch $(VENV_VLLM)/.installed
+
+# The documentation site, in its own small venv (Sphinx + MyST + the book theme, nothing else):
+# warnings are errors, so a broken link or anchor fails the build.
+VENV_DOCS := .venv-docs
+
+docs: $(VENV_DOCS)/.installed
+	$(VENV_DOCS)/bin/sphinx-build -W --keep-going -q -b html docs docs/_build/html
+	@echo "docs: docs/_build/html/index.html"
+
+$(VENV_DOCS)/.installed: constraints-docs.txt
+	@test -n "$(PYTHON312)" || { echo "error: Python 3.12 is required (see tools/python312)"; exit 1; }
+	$(PYTHON312) -m venv $(VENV_DOCS)
+	$(VENV_DOCS)/bin/python -m pip install -q --upgrade pip
+	$(VENV_DOCS)/bin/python -m pip install -q -r constraints-docs.txt
+	touch $@
+
+docs-clean:
+	rm -rf docs/_build

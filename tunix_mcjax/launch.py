@@ -138,6 +138,8 @@ def parse_hosts(parser: argparse.ArgumentParser, argv: list[str] | None) -> argp
 
 def main(argv: list[str] | None = None) -> int:
     parser = host_parser("python -m tunix_mcjax.launch", __doc__, devices_per_host=2)
+    parser.epilog = ("docs: docs/getting-started.md, docs/configuration.md (keys),\n      "
+                     "docs/disaggregated.md (rl_runtime=mcjax_da); `make docs` builds the site")
     parser.add_argument("recipe", help="YAML recipe, e.g. recipes/cpu/demo.yml")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parse_hosts(parser, argv)

@@ -22,7 +22,10 @@ CONFIG_EXIT_CODE = 2
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tunix_mcjax.run", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog="docs: docs/getting-started.md (clusters), "
+                                     "docs/configuration.md (keys),\n      docs/reliability.md "
+                                     "(exit codes); `make docs` builds the site")
     parser.add_argument("recipe", help="YAML recipe")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = parser.parse_args(argv)

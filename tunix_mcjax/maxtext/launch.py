@@ -19,6 +19,7 @@ TRAIN_RL = "maxtext.trainers.post_train.rl.train_rl"
 
 def main(argv: list[str] | None = None) -> int:
     parser = host_parser("python -m tunix_mcjax.maxtext.launch", __doc__, devices_per_host=1)
+    parser.epilog = "docs: docs/maxtext.md (the adapter, its keys); `make docs` builds the site"
     parser.add_argument("args", nargs="+", metavar="[CONFIG.yml] key=value",
                         help="train_rl's arguments: an optional MaxText RL config YAML (e.g. "
                         "src/maxtext/configs/post_train/rl.yml), then key=value overrides")

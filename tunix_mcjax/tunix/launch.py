@@ -18,6 +18,7 @@ from tunix_mcjax.tunix import GRPO_MAIN
 
 def main(argv: list[str] | None = None) -> int:
     parser = host_parser("python -m tunix_mcjax.tunix.launch", __doc__, devices_per_host=1)
+    parser.epilog = "docs: docs/tunix.md (the adapter, its keys); `make docs` builds the site"
     parser.add_argument("base_config", help="Tunix's base config YAML")
     parser.add_argument("overrides", nargs="*", help="grpo_main's key=value arguments")
     args = parse_hosts(parser, argv)
