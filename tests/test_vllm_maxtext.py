@@ -31,12 +31,18 @@ def test_maxtext_vllm_keys_are_honoured_under_rollout_engine_vllm():
     assert cfg.rollout_data_parallelism == 2  # MaxText counts replicas over all hosts
 
 
-def test_maxtext_vllm_keys_do_not_apply_to_the_jax_engine():
-    _, cfg, not_applied = checked_config(maxtext_argv(*VLLM_SETTINGS), {}, 1)
+def test_maxtext_pool_keys_size_the_jax_engine_and_vllm_only_keys_do_not_apply():
+    _, cfg, not_applied = checked_config(
+        maxtext_argv(*VLLM_SETTINGS, "vllm_block_size=32", "enable_prefix_caching=true"), {}, 1)
     assert cfg.rollout_engine == "jax"
-    assert set(not_applied) == {"hbm_utilization_vllm", "max_num_batched_tokens",
-                                "enable_dp_attention", "async_scheduling"}
+    assert set(not_applied) == {"enable_dp_attention", "async_scheduling"}
     assert cfg.rollout_max_batch_size == 32  # max_num_seqs has an equivalent in every engine
+    assert (cfg.hbm_utilization_vllm, cfg.max_num_batched_tokens, cfg.vllm_block_size,
+            cfg.enable_prefix_caching) == (0.5, 512, 32, True)
+    # MaxText's defaults, as they are: no prefix caching, the engine's own chunk and page size.
+    _, cfg, _ = checked_config(maxtext_argv(), {}, 1)
+    assert (cfg.hbm_utilization_vllm, cfg.max_num_batched_tokens, cfg.vllm_block_size,
+            cfg.enable_prefix_caching) == (0.72, 0, 0, False)
 
 
 def test_rollout_engine_vllm_needs_the_single_call_publish():
@@ -51,7 +57,6 @@ def test_one_table_holds_the_vllm_keys():
         ["", "rl.yml", "rollout_engine=vllm", "batch_size=2"], {"x": 1})
     assert (argv, kwargs, engine) == (["", "rl.yml", "batch_size=2"], {"x": 1}, "vllm")
     assert json.dumps(config_map.vllm_values(type("C", (), {
-        "hbm_utilization_vllm": 0.72, "max_num_batched_tokens": None,
         "enable_dp_attention": False, "async_scheduling": True, "vllm_additional_config": {},
         "vllm_hf_overrides": {}})()), sort_keys=True) == json.dumps(
-        {"async_scheduling": True, "enable_dp_attention": False, "hbm_utilization_vllm": 0.72})
+        {"async_scheduling": True, "enable_dp_attention": False})

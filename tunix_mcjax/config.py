@@ -89,12 +89,21 @@ class Config:
     rollout_weight_dtype: str = ""
     # --- end real shapes ---
 
-    # --- vLLM engine (rollout_engine=vllm, engine/vllm_engine.py); MaxText's key names ---
-    # Share of each accelerator's memory vLLM may hold (GPU/TPU). On CPU vLLM's KV pool is
-    # VLLM_CPU_KVCACHE_SPACE GiB instead (1 by default).
+    # --- KV page pool (rollout_engine=jax and vllm; MaxText's key names) ---
+    # Share of each device's memory the engine may hold, weights and KV page pool together
+    # (the jax engine never takes more pages than every row at the caps could use). vLLM on
+    # CPU sizes its pool from VLLM_CPU_KVCACHE_SPACE GiB instead (1 by default).
     hbm_utilization_vllm: float = 0.72
-    # Tokens one vLLM scheduler step batches; 0: vLLM's default.
+    # Prompt tokens one scheduler step prefills (chunked prefill); 0: the engine's default
+    # (jax: 2048; vllm: vLLM's).
     max_num_batched_tokens: int = 0
+    # Tokens per KV page; 0: the engine's default (jax: 16; vllm: vLLM's).
+    vllm_block_size: int = 0
+    # Requests with the same prompt (a GRPO group) share its KV pages, prefilled once.
+    enable_prefix_caching: bool = True
+    # --- end KV page pool ---
+
+    # --- vLLM engine (rollout_engine=vllm, engine/vllm_engine.py); MaxText's key names ---
     # tpu-inference's attention data-parallel mesh axis (TPU only).
     enable_dp_attention: bool = False
     # vLLM's asynchronous scheduling (overlaps scheduling with the model step).
@@ -307,6 +316,7 @@ RUNTIME_ONLY_KEYS = frozenset({
     "skip_first_n_steps_for_profiler", "profiler_steps", "enable_tensorboard",
     "rl_rollout_restarts", "rl_ray_object_store_mb",
     "checkpoint_directory", "eval_schedule",
+    "hbm_utilization_vllm", "max_num_batched_tokens", "vllm_block_size", "enable_prefix_caching",
 })
 
 
@@ -430,8 +440,12 @@ def load_config(
     return cfg
 
 
-VLLM_KEYS = ("hbm_utilization_vllm", "max_num_batched_tokens", "enable_dp_attention",
-             "async_scheduling", "vllm_additional_config", "vllm_hf_overrides")
+VLLM_KEYS = ("enable_dp_attention", "async_scheduling", "vllm_additional_config",
+             "vllm_hf_overrides")
+# The engines with a KV page pool, and the keys that size it.
+PAGED_ENGINES = ("jax", "vllm")
+KV_POOL_KEYS = ("hbm_utilization_vllm", "max_num_batched_tokens", "vllm_block_size",
+                "enable_prefix_caching")
 
 
 def json_object(cfg: Config, key: str) -> dict[str, Any]:
@@ -462,13 +476,25 @@ def _validate_vllm(cfg: Config) -> None:
     if cfg.rl_runtime == "single":
         raise ConfigError("rl_runtime=single is the lockstep JAX baseline: use "
                           "rollout_engine=jax with it")
-    if not 0 < cfg.hbm_utilization_vllm <= 1:
-        raise ConfigError(f"hbm_utilization_vllm must be in (0, 1], got "
-                          f"{cfg.hbm_utilization_vllm}")
-    if cfg.max_num_batched_tokens < 0:
-        raise ConfigError("max_num_batched_tokens must be >= 0 (0: vLLM's default)")
     for key in ("vllm_additional_config", "vllm_hf_overrides"):
         json_object(cfg, key)
+
+
+def _validate_kv_pool(cfg: Config) -> None:
+    if cfg.rollout_engine not in PAGED_ENGINES:
+        changed = [k for k in KV_POOL_KEYS if getattr(cfg, k) != _FIELDS[k].default]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} size a KV page pool, but "
+                              f"rollout_engine={cfg.rollout_engine} decodes MaxText's model "
+                              "over a dense cache (no pool yet): drop them, or use "
+                              f"rollout_engine={' or '.join(PAGED_ENGINES)}")
+    if not 0 < cfg.hbm_utilization_vllm <= 1:
+        raise ConfigError(f"hbm_utilization_vllm must be in (0, 1] (the share of each device "
+                          f"the engine may hold), got {cfg.hbm_utilization_vllm}")
+    for key in ("max_num_batched_tokens", "vllm_block_size"):
+        if getattr(cfg, key) < 0:
+            raise ConfigError(f"{key} must be >= 0 (0: the engine's default), got "
+                              f"{getattr(cfg, key)}")
 
 
 # --- Disaggregated mode ---
@@ -512,6 +538,7 @@ def _validate_disaggregated(cfg: Config) -> None:
 
 def _validate(cfg: Config) -> None:
     _validate_vllm(cfg)
+    _validate_kv_pool(cfg)
     _validate_disaggregated(cfg)
     for key, choices in _CHOICES.items():
         if getattr(cfg, key) not in choices:

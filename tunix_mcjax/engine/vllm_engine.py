@@ -60,6 +60,8 @@ class VllmOptions:
 
     hbm_utilization: float = 0.72
     max_num_batched_tokens: int = 0  # 0: vLLM's default
+    block_size: int = 0  # tokens per KV page; 0: vLLM's default
+    enable_prefix_caching: bool = True
     enable_dp_attention: bool = False
     async_scheduling: bool = False
     additional_config: Mapping[str, Any] = dataclasses.field(default_factory=dict)
@@ -164,12 +166,15 @@ class VllmEngine(Engine):
             "max_num_seqs": self.max_num_seqs, "seed": 0,
             "tensor_parallel_size": self.tensor_parallelism,
             "data_parallel_size": self.data_parallelism, "logprobs_mode": LOGPROBS_MODE,
-            "logits_processors": [processor], "enable_prefix_caching": True,
+            "logits_processors": [processor],
+            "enable_prefix_caching": o.enable_prefix_caching,
             "gpu_memory_utilization": o.hbm_utilization, "enforce_eager": self.platform == "cpu",
             "async_scheduling": o.async_scheduling, "disable_log_stats": True,
         }
         if o.max_num_batched_tokens:
             args["max_num_batched_tokens"] = o.max_num_batched_tokens
+        if o.block_size:
+            args["block_size"] = o.block_size
         additional = dict(o.additional_config)
         if self.platform == "tpu":
             additional["sharding"] = {"sharding_strategy": {

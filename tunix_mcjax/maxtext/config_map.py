@@ -19,7 +19,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from tunix_mcjax.config import Config, ConfigError, load_config
+from tunix_mcjax.config import PAGED_ENGINES, Config, ConfigError, load_config
 
 # MaxText key -> where it lands. `rl.<key>` is read from the nested `config.rl`.
 HONOURED: dict[str, str] = {
@@ -166,16 +166,12 @@ DERIVED = frozenset({
 # more of them (rollout_engine=vllm) maps them here.
 VLLM_KEYS: dict[str, str | None] = {
     "max_num_seqs": "rollout_max_batch_size",  # sequences one engine replica decodes at once
-    "max_num_batched_tokens": None,  # vLLM's scheduler token budget; prompts prefill whole here
-    "kv_cache_buffer": None,  # the KV cache is sized to the prompt and completion buckets
-    "hbm_utilization_vllm": None,
+    "kv_cache_buffer": None,  # KV pages are taken as sequences grow: no buffer to size
     "swap_space_vllm_gb": None,
     "enable_dp_attention": None,
     "enable_expert_parallel": None,
-    "enable_prefix_caching": None,
     "free_kv_cache_during_weight_sync": None,
     "async_scheduling": None,
-    "vllm_block_size": None,
     "vllm_additional_config": None,
     "vllm_hf_overrides": None,
     "vllm_hf_config_path": None,
@@ -203,13 +199,31 @@ NOT_APPLICABLE = frozenset({
     "rl.reshard_chunk_size",
 }) | {k for k, v in VLLM_KEYS.items() if v is None} | NOT_READ_BY_TRAIN_RL
 
+# MaxText's keys that size a KV page pool -> ours. Under the engines with a pool
+# (config.PAGED_ENGINES) they are taken as they are, MaxText's defaults included (its
+# enable_prefix_caching is false); the maxtext engine decodes over a dense cache, so there they
+# are reported as not applied.
+KV_POOL_KEYS: dict[str, str] = {
+    "hbm_utilization_vllm": "hbm_utilization_vllm",
+    "max_num_batched_tokens": "max_num_batched_tokens",
+    "vllm_block_size": "vllm_block_size",
+    "enable_prefix_caching": "enable_prefix_caching",
+}
+NOT_APPLICABLE |= set(KV_POOL_KEYS)
+
+
+def pool_values(config: Any) -> dict[str, Any]:
+    """Our Config values of MaxText's pool keys (None: the engine's default, 0)."""
+    out = {ours: getattr(config, key) for key, ours in KV_POOL_KEYS.items()}
+    out["enable_prefix_caching"] = bool(out["enable_prefix_caching"])
+    return {k: (0 if v is None else v) for k, v in out.items()}
+
+
 # --- vLLM engine (rollout_engine=vllm) ---
 # MaxText's vLLM keys the vLLM engine takes as they are -> our Config key. Honoured under
 # rollout_engine=vllm (given on train_rl's command line, read by this adapter: MaxText has no
 # such key); under the other engines they stay in VLLM_KEYS's "not applied" rows.
 VLLM_ENGINE_KEYS: dict[str, str] = {
-    "hbm_utilization_vllm": "hbm_utilization_vllm",
-    "max_num_batched_tokens": "max_num_batched_tokens",
     "enable_dp_attention": "enable_dp_attention",
     "async_scheduling": "async_scheduling",
     "vllm_additional_config": "vllm_additional_config",
@@ -298,6 +312,8 @@ def check_keys(changed: dict[str, Any], rollout_engine: str = "jax") -> dict[str
     """Raises ConfigError naming every changed key this runtime cannot honour; returns the
     changed keys that do not apply to it, with their values."""
     honoured_vllm = set(VLLM_ENGINE_KEYS) if rollout_engine == "vllm" else set()
+    if rollout_engine in PAGED_ENGINES:
+        honoured_vllm |= set(KV_POOL_KEYS)
 
     def accepted(key: str) -> bool:
         if key in HONOURED_VALUES:
@@ -461,6 +477,8 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str,
     values.update({target: changed[key] for key, target in VLLM_KEYS.items()
                    if target is not None and key in (changed or {})})
     values["rollout_engine"] = rollout_engine = rollout_engine or rollout_engine_for(config)
+    if rollout_engine in PAGED_ENGINES:
+        values.update(pool_values(config))
     if rollout_engine == "vllm":
         values.update(vllm_values(config))
     return load_config(None, values)

@@ -18,13 +18,25 @@ def _engine_options(cfg: Config) -> dict:
     )
 
 
+def _pool_options(cfg: Config) -> dict:
+    """The KV page pool's settings (0 keys keep the engine's defaults)."""
+    options = dict(hbm_utilization=cfg.hbm_utilization_vllm,
+                   prefix_caching=cfg.enable_prefix_caching)
+    if cfg.vllm_block_size:
+        options["page_size"] = cfg.vllm_block_size
+    if cfg.max_num_batched_tokens:
+        options["max_num_batched_tokens"] = cfg.max_num_batched_tokens
+    return options
+
+
 def jax_engine(cfg: Config, model_config, devices, pad_id: int,
                eos_ids: tuple[int, ...]) -> Engine:
-    """Our decode loop over Tunix Qwen3 (`rollout_engine=jax`)."""
+    """Our paged decode loop over Tunix Qwen3 (`rollout_engine=jax`)."""
     from tunix_mcjax.engine.jax_engine import JaxEngine
 
     return JaxEngine(model_config, devices, pad_id=pad_id, eos_ids=eos_ids,
-                     lockstep=cfg.rl_runtime == "single", **_engine_options(cfg))
+                     lockstep=cfg.rl_runtime == "single", **_engine_options(cfg),
+                     **_pool_options(cfg))
 
 
 def maxtext_engine(cfg: Config, model_config, devices, pad_id: int,
@@ -50,7 +62,8 @@ def vllm_engine(cfg: Config, model_config, devices, pad_id: int,
 
     options = VllmOptions(
         hbm_utilization=cfg.hbm_utilization_vllm,
-        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.vllm_block_size,
+        enable_prefix_caching=cfg.enable_prefix_caching,
         enable_dp_attention=cfg.enable_dp_attention, async_scheduling=cfg.async_scheduling,
         additional_config=json_object(cfg, "vllm_additional_config"),
         hf_overrides=json_object(cfg, "vllm_hf_overrides"))
