@@ -86,7 +86,7 @@ class Outputs:
     iterations: jax.Array  # int32: loop iterations
     prefill_steps: jax.Array  # int32: iterations that ran a prefill chunk
     preemptions: jax.Array  # int32
-    shared_pages: jax.Array  # int32: prompt pages rows used without owning (prefix sharing)
+    shared_pages: jax.Array  # int32: prompt pages rows read that a row before them had read
     peak_pages: jax.Array  # int32: most pages in use at once
     stalled: jax.Array  # bool: the loop ended with requests left (the pool cannot hold one)
 
@@ -100,6 +100,7 @@ class LoopState:
     prompt_next_chunk: jax.Array  # int32 [U]
     prompt_rows: jax.Array  # int32 [U]: active rows on the prompt's pages
     prompt_left: jax.Array  # int32 [U]: its requests not finished
+    prompt_readers: jax.Array  # int32 [U]: rows admitted on its pages since its prefill
     prompt_logits: jax.Array  # float32 [U, V]: logits after the prompt's last token
     active: jax.Array  # bool [B]
     row_request: jax.Array  # int32 [B]
@@ -257,6 +258,7 @@ def start_prefills(shape: ProgramShape, inp: Inputs, state: LoopState) -> LoopSt
         prompt_tables=state.prompt_tables.at[target].set(taken, mode="drop"),
         prompt_state=state.prompt_state.at[target].set(PREFILLING, mode="drop"),
         prompt_next_chunk=state.prompt_next_chunk.at[target].set(0, mode="drop"),
+        prompt_readers=state.prompt_readers.at[target].set(0, mode="drop"),
     ))
 
 
@@ -364,7 +366,9 @@ def admit_phase(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
             admissions=state.admissions + 1,
             running=state.running.at[request].set(True),
             prompt_rows=state.prompt_rows.at[prompt].add(1),
-            shared_pages=state.shared_pages + full,
+            prompt_readers=state.prompt_readers.at[prompt].add(1),
+            shared_pages=state.shared_pages + jnp.where(state.prompt_readers[prompt] > 0, full,
+                                                        0),
         )
         ended = fresh & ends(inp, first[None], jnp.ones((1,), jnp.int32))[0]
         return jax.lax.cond(ended, lambda s: vacate_rows(shape, inp, s, rows, rows),
@@ -458,6 +462,7 @@ def initial_state(shape: ProgramShape, inp: Inputs, pool: Any, vocab: int) -> Lo
         prompt_next_chunk=jnp.zeros((u,), jnp.int32),
         prompt_rows=jnp.zeros((u,), jnp.int32),
         prompt_left=left,
+        prompt_readers=jnp.zeros((u,), jnp.int32),
         prompt_logits=jnp.zeros((u, vocab), jnp.float32),
         active=jnp.zeros((b,), bool),
         row_request=zeros_b,

@@ -46,6 +46,9 @@ def _attend(q, k, v, kv_lens, q_lens):
     scores = jnp.einsum("RCKGH,RLKH->RKGCL", qg, k) * h**-0.5
     scores = jnp.where(mask[:, None, None], scores, K_MASK)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+    # Slots past a row's length hold whatever a page held before: keep them out of the sum.
+    live = (k_pos[None, :] < kv_lens[:, None])[:, :, None, None]
+    v = jnp.where(live, v, jnp.zeros_like(v))
     out = jnp.einsum("RKGCL,RLKH->RCKGH", probs, v).reshape(r, c, n, h)
     real = jnp.arange(c)[None, :] < q_lens[:, None]
     return jnp.where(real[:, :, None, None], out, jnp.zeros_like(out))

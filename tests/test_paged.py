@@ -1,0 +1,221 @@
+"""The paged engine: attention over pages against its definition and JAX's TPU kernel's, and the
+loop's pool, prefix sharing, chunked prefill and preemption against unconstrained runs."""
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel as rpa  # noqa: E402
+
+from tests.test_engine import (  # noqa: E402
+    GREEDY,
+    MAX_NEW,
+    PAD,
+    VOCAB,
+    as_lists,
+    assert_greedy_matches,
+    params_of,
+)
+from tunix_mcjax import config, models  # noqa: E402
+from tunix_mcjax.engine import paged_attention as pa  # noqa: E402
+from tunix_mcjax.engine import pages  # noqa: E402
+from tunix_mcjax.engine.base import SamplingParams  # noqa: E402
+from tunix_mcjax.engine.jax_engine import JaxEngine  # noqa: E402
+
+# Groups of equal prompts (GRPO), lengths that no page size below divides evenly.
+GROUPS = [[5, 6, 7], [8, 9, 10, 11, 12], [3], [40, 41, 42, 43, 44, 45, 46], [20, 21]]
+PROMPTS = [p for p in GROUPS for _ in range(3)]
+STOPS = tuple(range(2, 9))  # with eos, ~8% of tokens end a sequence: lengths vary
+SAMPLE = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=STOPS)
+
+
+# ----- attention over pages ----------------------------------------------------------------
+
+
+def ragged_case(page_size: int, seed: int = 0):
+    """Rows of mixed prefill chunks and decode tokens over a shuffled pool; rows 0 and 1 share
+    their first pages (two samples of one prompt), row 3 is empty padding."""
+    rng = np.random.default_rng(seed)
+    kv_lens = np.array([13, 11, 22, 0, 1, 9], np.int32)
+    q_lens = np.array([1, 6, 4, 0, 1, 9], np.int32)  # decode, chunk, chunk, pad, decode, prefill
+    table_pages = pages.cdiv(int(kv_lens.max()), page_size) + 1
+    num_pages = 2 + sum(pages.cdiv(int(n), page_size) for n in kv_lens)
+    order = rng.permutation(num_pages)
+    tables = np.full((len(kv_lens), table_pages), -1, np.int32)
+    used = 0
+    for r, n in enumerate(kv_lens):
+        count = pages.cdiv(int(n), page_size)
+        tables[r, :count] = order[used:used + count]
+        used += count
+    shared = 11 // page_size  # row 1's full pages are row 0's
+    tables[1, :shared] = tables[0, :shared]
+    pool = rng.normal(size=(num_pages, page_size, 4, 16)).astype(np.float32)  # 2 kv heads
+    q = rng.normal(size=(len(kv_lens), 9, 4, 16)).astype(np.float32)  # 4 query heads, chunk 9
+    return tuple(map(jnp.asarray, (q, pool, tables, kv_lens, q_lens)))
+
+
+@pytest.mark.parametrize("page_size", [3, 4, 5, 16])
+def test_xla_attention_equals_the_reference_on_ragged_rows(page_size):
+    case = ragged_case(page_size)
+    want = pa.reference_attention(*case)
+    got = jax.jit(pa.xla_attention)(*case)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    q, _, _, kv_lens, q_lens = case
+    assert np.all(np.asarray(got)[3] == 0) and np.all(np.asarray(got)[0, 1:] == 0)  # padding
+    # Query 0 of the decode row sees all 13 keys: changing key 12 changes it; key 13 does not.
+    q_pool = np.asarray(case[1]).copy()
+    table = np.asarray(case[2])[0]
+    q_pool[table[12 // page_size], 12 % page_size] += 1.0
+    moved = jax.jit(pa.xla_attention)(q, jnp.asarray(q_pool), *case[2:])
+    assert np.abs(np.asarray(moved)[0, 0] - np.asarray(got)[0, 0]).max() > 1e-3
+
+
+def test_attention_reads_only_pages_up_to_the_longest_live_row():
+    """Garbage (NaN) in pages past every row's length, or in rows' unused table entries, never
+    reaches the output: the gather stops at the live bucket and masks the rest."""
+    q, pool, tables, kv_lens, q_lens = ragged_case(4)
+    poisoned = np.asarray(pool).copy()
+    used = set(np.asarray(tables)[np.asarray(tables) >= 0].tolist())
+    for page in set(range(poisoned.shape[0])) - used:
+        poisoned[page] = np.nan
+    got = jax.jit(pa.xla_attention)(q, jnp.asarray(poisoned), tables, kv_lens, q_lens)
+    np.testing.assert_allclose(got, pa.reference_attention(q, pool, tables, kv_lens, q_lens),
+                               atol=1e-5)
+    assert pa.page_buckets(6) == (1, 2, 4, 6)
+
+
+@pytest.mark.parametrize("page_size", [4, 16])
+def test_tpu_kernel_arguments_pass_its_validators_and_its_reference_agrees(page_size):
+    """The TPU path's packed layout, checked on CPU: JAX's `ragged_paged_attention` validators
+    accept our arguments (static: shapes and dtypes; dynamic: lengths against pages and
+    tokens), and the kernel's own reference on them equals ours within 1e-5 (fp32). The kernel
+    itself does not run in the TPU interpreter (jax 0.12.0.1)."""
+    q, pool, tables, kv_lens, q_lens = ragged_case(page_size)
+    args, where = pa.rpa_arguments(q, tables, kv_lens, q_lens)
+    scale = q.shape[-1] ** -0.5
+    rpa.static_validate_inputs(args[0], pool, *args[1:], sm_scale=scale)
+    rpa.dynamic_validate_inputs(args[0], pool, *args[1:], sm_scale=scale)
+    assert int(args[3][-1]) == int(q_lens.sum()) and int(args[4][0]) == q.shape[0]
+    theirs = rpa.ref_ragged_paged_attention(args[0], pool, *args[1:], sm_scale=scale)
+    got = pa.unpack_rows(theirs, where, q.shape)
+    np.testing.assert_allclose(got, pa.reference_attention(q, pool, tables, kv_lens, q_lens),
+                               atol=1e-5)
+
+
+def test_free_stack_hands_out_distinct_pages_and_takes_them_back():
+    stack = pages.full_stack(6)
+    want = jnp.array([[True, False, True], [True, False, False]])
+    taken, stack = pages.take(stack, want)
+    got = np.asarray(taken)
+    assert int(stack.count) == 3 and sorted(got[got >= 0].tolist()) == [0, 1, 2]
+    assert np.all(got[~np.asarray(want)] == -1)
+    stack = pages.give(stack, taken, want)
+    again, _ = pages.take(stack, jnp.ones((6,), bool))
+    assert sorted(np.asarray(again).tolist()) == list(range(6))
+
+
+# ----- the loop ------------------------------------------------------------------------------
+
+
+EOS = 1  # in no prompt
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """test_engine's tiny random-init Qwen3: (model config, model)."""
+    mc = models.model_config(config.load_config(None), vocab_size=VOCAB, for_sampling=True)
+    return mc, models.create_model(mc, 0)
+
+
+def paged_engine(tiny, **kwargs):
+    model_config, model = tiny
+    engine = JaxEngine(model_config, jax.devices()[:1], pad_id=PAD, eos_ids=(EOS,),
+                       max_prompt_length=16, max_new_tokens=MAX_NEW, **kwargs)
+    engine.load_weights(params_of(model))
+    return engine
+
+
+@pytest.fixture(scope="module")
+def roomy(tiny):
+    """Pages of 4 tokens, a pool that never runs dry."""
+    return paged_engine(tiny, page_size=4)
+
+
+def test_groups_share_prompt_pages_and_sharing_changes_no_sample(roomy, tiny):
+    shared = roomy.generate(PROMPTS, SAMPLE, seed=3)
+    stats = roomy.last_stats[0]
+    # The 2nd and 3rd row of each group read its full pages (floor(len / 4)) instead of owning.
+    assert stats["shared_pages"] == sum(2 * (len(p) // 4) for p in GROUPS)
+    assert stats["preemptions"] == 0
+    alone = paged_engine(tiny, page_size=4, prefix_caching=False)
+    assert as_lists(alone.generate(PROMPTS, SAMPLE, seed=3)) == as_lists(shared)
+    assert alone.last_stats[0]["shared_pages"] == 0
+    assert alone.last_stats[0]["peak_pages"] > stats["peak_pages"]
+    assert len({len(c.tokens) for c in shared}) > 1  # stops fired: rows ended at different steps
+
+
+def test_chunked_prefill_under_a_small_token_budget_changes_nothing(roomy, tiny):
+    """A budget of 4 tokens prefills the 7-token prompt in 2 chunks (and its other prompts one
+    per iteration): logits and samples are those of whole-prompt prefill."""
+    want = roomy.generate(PROMPTS, SAMPLE, seed=4)
+    assert roomy.last_stats[0]["prefill_steps"] == 1  # every prompt in one step of 8 x 5 rows
+    small = paged_engine(tiny, page_size=4, max_num_batched_tokens=4)
+    got = small.generate(PROMPTS, SAMPLE, seed=4)
+    assert as_lists(got) == as_lists(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    assert small.last_stats[0]["prefill_steps"] >= 6  # 7 chunks of 4 tokens, one row a step
+
+
+@pytest.mark.parametrize("page_size", [3, 5])
+def test_greedy_is_the_full_forward_across_preemption_and_recompute(tiny, page_size):
+    """A pool of one sequence at the caps (the least the engine takes): rows are preempted and
+    recomputed, and every token is still Tunix's argmax with its logprob."""
+    least = pages.cdiv(16, page_size) + pages.sequence_pages(16, MAX_NEW, page_size)
+    tight = paged_engine(tiny, page_size=page_size, num_pages=least)
+    out = tight.generate(PROMPTS, GREEDY, seed=0)
+    assert tight.last_stats[0]["preemptions"] > 0
+    assert tight.last_stats[0]["peak_pages"] <= least
+    for prompt, completion in zip(PROMPTS, out, strict=True):
+        assert len(completion.tokens) == MAX_NEW
+        assert_greedy_matches(tiny[1], prompt, completion)
+
+
+def test_a_pool_too_small_for_the_step_completes_by_preemption_with_the_same_samples(roomy, tiny):
+    want = roomy.generate(PROMPTS, SAMPLE, seed=5)
+    least = pages.cdiv(16, 4) + pages.sequence_pages(16, MAX_NEW, 4)
+    tight = paged_engine(tiny, page_size=4, num_pages=least)
+    got = tight.generate(PROMPTS, SAMPLE, seed=5)
+    assert tight.last_stats[0]["preemptions"] > 0
+    assert as_lists(got) == as_lists(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_a_pool_that_cannot_hold_one_sequence_is_refused_before_any_step(tiny):
+    model_config = tiny[0]
+    with pytest.raises(ValueError, match="hbm_utilization_vllm") as err:
+        JaxEngine(model_config, jax.devices()[:1], pad_id=PAD, eos_ids=(EOS,),
+                  max_prompt_length=64, max_new_tokens=MAX_NEW, page_size=4, num_pages=10)
+    assert "max_prefill_predict_length=64" in str(err.value)
+    assert "needs 35" in str(err.value)  # 16 prompt pages + 18 of the table + 1 copy
+    with pytest.raises(ValueError, match="vllm_block_size"):
+        JaxEngine(model_config, jax.devices()[:1], pad_id=PAD, eos_ids=(EOS,),
+                  max_prompt_length=4, max_new_tokens=MAX_NEW, page_size=0)
+
+
+def test_the_pool_is_sized_from_memory_and_capped_by_what_rows_can_use(tiny):
+    model_config = tiny[0]
+    small = JaxEngine(model_config, jax.devices()[:1], pad_id=PAD, eos_ids=(EOS,),
+                      max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=6)
+    # Never more than 8 rows (6 rounded up) at the caps could use: (24 tokens / 16) + 1 each.
+    assert small.num_pages == pages.pages_needed(8, 16, MAX_NEW, 16) == 8 * 3
+    page = pages.page_bytes(model_config.num_layers, model_config.num_kv_heads,
+                            model_config.head_dim, 16, 4)
+    assert page == model_config.num_layers * 16 * 2 * model_config.num_kv_heads \
+        * model_config.head_dim * 4
+    assert pages.pool_pages(10 * page + page // 2, page, 1000) == 10
