@@ -38,7 +38,8 @@ SAMPLE = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=
 
 def ragged_case(page_size: int, seed: int = 0):
     """Rows of mixed prefill chunks and decode tokens over a shuffled pool; rows 0 and 1 share
-    their first pages (two samples of one prompt), row 3 is empty padding."""
+    their first pages (two samples of one prompt), row 3 is empty padding. Returns q, each
+    row's keys and values by position, tables, kv_lens, q_lens."""
     rng = np.random.default_rng(seed)
     kv_lens = np.array([13, 11, 22, 0, 1, 9], np.int32)
     q_lens = np.array([1, 6, 4, 0, 1, 9], np.int32)  # decode, chunk, chunk, pad, decode, prefill
@@ -51,59 +52,101 @@ def ragged_case(page_size: int, seed: int = 0):
         count = pages.cdiv(int(n), page_size)
         tables[r, :count] = order[used:used + count]
         used += count
-    shared = 11 // page_size  # row 1's full pages are row 0's
-    tables[1, :shared] = tables[0, :shared]
-    pool = rng.normal(size=(num_pages, page_size, 4, 16)).astype(np.float32)  # 2 kv heads
+    tables[1, :11 // page_size] = tables[0, :11 // page_size]  # row 1's full pages are row 0's
+    length = table_pages * page_size
+    k_seq = np.zeros((len(kv_lens), length, 2, 16), np.float32)  # 2 kv heads
+    v_seq = np.zeros_like(k_seq)
+    pool_k = rng.normal(size=(num_pages, page_size, 2, 16)).astype(np.float32)
+    pool_v = rng.normal(size=(num_pages, page_size, 2, 16)).astype(np.float32)
+    for r in range(len(kv_lens)):
+        for i, page in enumerate(tables[r]):
+            if page >= 0:
+                k_seq[r, i * page_size:(i + 1) * page_size] = pool_k[page]
+                v_seq[r, i * page_size:(i + 1) * page_size] = pool_v[page]
     q = rng.normal(size=(len(kv_lens), 9, 4, 16)).astype(np.float32)  # 4 query heads, chunk 9
-    return tuple(map(jnp.asarray, (q, pool, tables, kv_lens, q_lens)))
+    case = tuple(map(jnp.asarray, (q, k_seq, v_seq, tables, kv_lens, q_lens)))
+    return case, (pool_k, pool_v)
+
+
+def split_layer(pool_k, pool_v):
+    """The pool in SplitPages' layout: [kv_heads, pages, page_size, head_dim] each."""
+    return jnp.asarray(np.moveaxis(pool_k, 2, 0)), jnp.asarray(np.moveaxis(pool_v, 2, 0))
+
+
+def combined_layer(pool_k, pool_v):
+    """The pool in CombinedPages' (the TPU kernel's) layout."""
+    kv = np.stack([pool_k, pool_v], axis=-2).reshape(*pool_k.shape[:2], -1, pool_k.shape[-1])
+    return jnp.asarray(kv)
 
 
 @pytest.mark.parametrize("page_size", [3, 4, 5, 16])
-def test_xla_attention_equals_the_reference_on_ragged_rows(page_size):
-    case = ragged_case(page_size)
-    want = pa.reference_attention(*case)
-    got = jax.jit(pa.xla_attention)(*case)
+def test_split_pages_attention_equals_the_reference_on_ragged_rows(page_size):
+    (q, k_seq, v_seq, tables, kv_lens, q_lens), pool = ragged_case(page_size)
+    want = pa.reference_attention(q, k_seq, v_seq, kv_lens, q_lens)
+    layout = pa.SplitPages()
+    attend = jax.jit(layout.attend)
+    got = attend(q, split_layer(*pool), tables, kv_lens, q_lens)
     np.testing.assert_allclose(got, want, atol=1e-5)
-    q, _, _, kv_lens, q_lens = case
     assert np.all(np.asarray(got)[3] == 0) and np.all(np.asarray(got)[0, 1:] == 0)  # padding
-    # Query 0 of the decode row sees all 13 keys: changing key 12 changes it; key 13 does not.
-    q_pool = np.asarray(case[1]).copy()
-    table = np.asarray(case[2])[0]
-    q_pool[table[12 // page_size], 12 % page_size] += 1.0
-    moved = jax.jit(pa.xla_attention)(q, jnp.asarray(q_pool), *case[2:])
+    # The decode row (query 0 at position 12) sees key 12: moving it moves the output.
+    pool_k = pool[0].copy()
+    pool_k[int(tables[0, 12 // page_size]), 12 % page_size] += 1.0
+    moved = attend(q, split_layer(pool_k, pool[1]), tables, kv_lens, q_lens)
     assert np.abs(np.asarray(moved)[0, 0] - np.asarray(got)[0, 0]).max() > 1e-3
 
 
-def test_attention_reads_only_pages_up_to_the_longest_live_row():
-    """Garbage (NaN) in pages past every row's length, or in rows' unused table entries, never
-    reaches the output: the gather stops at the live bucket and masks the rest."""
-    q, pool, tables, kv_lens, q_lens = ragged_case(4)
-    poisoned = np.asarray(pool).copy()
-    used = set(np.asarray(tables)[np.asarray(tables) >= 0].tolist())
-    for page in set(range(poisoned.shape[0])) - used:
-        poisoned[page] = np.nan
-    got = jax.jit(pa.xla_attention)(q, jnp.asarray(poisoned), tables, kv_lens, q_lens)
-    np.testing.assert_allclose(got, pa.reference_attention(q, pool, tables, kv_lens, q_lens),
+def test_attention_reads_only_live_slots_of_a_rows_pages():
+    """NaN in every page no row uses, and in the slots past each row's length, never reaches
+    the output: the gather stops at the live bucket and masks the rest."""
+    (q, k_seq, v_seq, tables, kv_lens, q_lens), (pool_k, pool_v) = ragged_case(4)
+    live = np.zeros(pool_k.shape[:2], bool)
+    for r, table in enumerate(np.asarray(tables)):
+        for t in range(int(kv_lens[r])):
+            live[table[t // 4], t % 4] = True
+    poisoned = [np.where(live[:, :, None, None], x, np.nan) for x in (pool_k, pool_v)]
+    got = jax.jit(pa.SplitPages().attend)(q, split_layer(*poisoned), tables, kv_lens, q_lens)
+    np.testing.assert_allclose(got, pa.reference_attention(q, k_seq, v_seq, kv_lens, q_lens),
                                atol=1e-5)
     assert pa.page_buckets(6) == (1, 2, 4, 6)
 
 
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_tpu_kernel_arguments_pass_its_validators_and_its_reference_agrees(page_size):
-    """The TPU path's packed layout, checked on CPU: JAX's `ragged_paged_attention` validators
-    accept our arguments (static: shapes and dtypes; dynamic: lengths against pages and
-    tokens), and the kernel's own reference on them equals ours within 1e-5 (fp32). The kernel
-    itself does not run in the TPU interpreter (jax 0.12.0.1)."""
-    q, pool, tables, kv_lens, q_lens = ragged_case(page_size)
+    """The TPU path's page layout and packed queries, checked on CPU: JAX's
+    `ragged_paged_attention` validators accept our arguments (static: shapes and dtypes;
+    dynamic: lengths against pages and tokens), and the kernel's own reference on them equals
+    our definition within 1e-5 (fp32). The kernel itself does not run in the TPU interpreter
+    (jax 0.12.0.1)."""
+    (q, k_seq, v_seq, tables, kv_lens, q_lens), pool = ragged_case(page_size)
+    kv_pages = combined_layer(*pool)
     args, where = pa.rpa_arguments(q, tables, kv_lens, q_lens)
     scale = q.shape[-1] ** -0.5
-    rpa.static_validate_inputs(args[0], pool, *args[1:], sm_scale=scale)
-    rpa.dynamic_validate_inputs(args[0], pool, *args[1:], sm_scale=scale)
+    rpa.static_validate_inputs(args[0], kv_pages, *args[1:], sm_scale=scale)
+    rpa.dynamic_validate_inputs(args[0], kv_pages, *args[1:], sm_scale=scale)
     assert int(args[3][-1]) == int(q_lens.sum()) and int(args[4][0]) == q.shape[0]
-    theirs = rpa.ref_ragged_paged_attention(args[0], pool, *args[1:], sm_scale=scale)
+    theirs = rpa.ref_ragged_paged_attention(args[0], kv_pages, *args[1:], sm_scale=scale)
     got = pa.unpack_rows(theirs, where, q.shape)
-    np.testing.assert_allclose(got, pa.reference_attention(q, pool, tables, kv_lens, q_lens),
+    np.testing.assert_allclose(got, pa.reference_attention(q, k_seq, v_seq, kv_lens, q_lens),
                                atol=1e-5)
+
+
+@pytest.mark.parametrize("layout", [pa.SplitPages(), pa.CombinedPages()],
+                         ids=["split", "combined"])
+def test_each_layout_writes_and_copies_pages_where_the_tables_say(layout):
+    """A token written at (page, slot) reads back at its position in every row whose table
+    holds that page, and a copied page holds its source's keys and values."""
+    (_, k_seq, v_seq, tables, kv_lens, _), _ = ragged_case(4)
+    layer = layout.empty(40, 4, 2, 16, jnp.float32)
+    k = jnp.ones((1, 1, 2, 16)) * jnp.arange(16.0)
+    page = int(tables[0, 2])
+    layer = layout.write(layer, jnp.array([[page]]), jnp.array([[1]]), k, -k)
+    got_k, got_v = layout.sequences(layer, tables, tables.shape[1])  # [K, R, L, H]
+    np.testing.assert_array_equal(got_k[:, 0, 9], k[0, 0])
+    np.testing.assert_array_equal(got_v[:, 0, 9], -k[0, 0])
+    assert float(jnp.abs(got_k[:, 0, 8]).max()) == 0.0
+    copied = layout.copy_page(layer, page, 39)
+    again, _ = layout.sequences(copied, jnp.array([[-1, -1, 39]]), 3)
+    np.testing.assert_array_equal(again[:, 0, 9], k[0, 0])
 
 
 def test_free_stack_hands_out_distinct_pages_and_takes_them_back():

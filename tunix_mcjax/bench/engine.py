@@ -9,8 +9,15 @@ Same random-init Qwen3, prompts and sampling for every arm:
   (an RL rollout needs them, and our engine always returns them), a fresh seed per repeat;
 * vllm (`--engine vllm`, needs .venv-vllm): `VllmEngine.generate`, in-process vLLM on the same
   weights (published through its reload), warmed up, a fresh seed per repeat;
-* floor: our jitted decode step alone (batch x 1 token with KV cache, cache donated) in a tight
-  loop, and our prefill alone (of the distinct prompts, which is what the engine prefills).
+* floor: our jitted paged decode step alone (batch x 1 token over the page pool, pool donated)
+  in a tight loop, and our prefill alone (one chunk of every distinct prompt, as the engine
+  prefills them);
+* rev (`--rev REV`): the JAX engine of another revision (e.g. the dense engine before pages),
+  in a worker process over a copy of that revision's package (`bench.rev_engine_worker`),
+  called in turn with the other arms;
+* short cap (profiles with `short_cap`): the same engine and requests with the completion cap
+  at `short_cap`. Every completion ends on a stop id well before it, so both caps do the same
+  work (checked: equal outputs); the wall-time ratio shows what the cap itself costs.
 
 Engine `iteration_ms` = (median generate wall - prefill floor) / decode iterations, so it charges
 sampling, stop checks and loop bookkeeping to the iteration; `iteration_vs_floor_ratio` compares
@@ -19,8 +26,8 @@ it with the bare step. Spreads are IQRs over repeats; the tokens/s ratio has a b
 * `--engine maxtext`: the maxtext engine (MaxText's own dense Qwen3 of the same shape, its own
   random init) with the engine arm's loop settings; tokens/s against the JAX engine and Tunix.
 
-    python -m tunix_mcjax.bench.engine [--profile gsm8k-cpu|numina-cpu]
-        [--engine maxtext|vllm ...] [--repeats N] [--json FILE]
+    python -m tunix_mcjax.bench.engine [--profile NAME] [--engine maxtext|vllm ...]
+        [--rev REV] [--repeats N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -39,6 +48,7 @@ from flax import nnx
 from tunix.generate import sampler as tunix_sampler
 from tunix.models.qwen3 import model as qwen3
 
+from tunix_mcjax.engine import paged_attention, pages
 from tunix_mcjax.engine import qwen3_forward as fwd
 from tunix_mcjax.engine.base import SamplingParams
 from tunix_mcjax.engine.jax_engine import JaxEngine, flatten_tree, pow2_at_least, unflatten_tree
@@ -59,6 +69,7 @@ class EngineProfile:
     stop_token_ids: tuple[int, ...]  # with eos, each ends a sequence (~1/vocab each per token)
     decode_batch: int  # rows one replica decodes at once
     repeats: int
+    short_cap: int = 0  # also run at this completion cap (same work: stops end every request)
 
     @property
     def requests(self) -> int:
@@ -73,6 +84,19 @@ PROFILES = {
     "numina-cpu": EngineProfile(
         "numina-cpu", prompts=16, generations=4, prompt_lengths=(16, 32), max_new_tokens=256,
         ignore_eos=False, stop_token_ids=tuple(range(2, 9)), decode_batch=16, repeats=3,
+    ),
+    # Decode-heavy RL: a cap far above the typical completion (7 of 1024 ids end a sequence:
+    # mean near 150 tokens, a few past 500).
+    "eos-cpu": EngineProfile(
+        "eos-cpu", prompts=16, generations=4, prompt_lengths=(16, 32), max_new_tokens=1024,
+        ignore_eos=False, stop_token_ids=tuple(range(2, 8)), decode_batch=64, repeats=5,
+    ),
+    # What a cap costs: 25 of 1024 ids end a sequence (mean near 40 tokens, none near 512), at
+    # caps of 4096 and 512.
+    "eos-cap-cpu": EngineProfile(
+        "eos-cap-cpu", prompts=16, generations=4, prompt_lengths=(16, 32), max_new_tokens=4096,
+        ignore_eos=False, stop_token_ids=tuple(range(2, 26)), decode_batch=64, repeats=5,
+        short_cap=512,
     ),
 }  # fmt: skip
 
@@ -143,27 +167,69 @@ Measure = Callable[[int], dict[str, float]]  # repeat index -> one repeat's meas
 def engine_arm(
     profile, params, prompts, sampling, *, continuous: bool, batch: int
 ) -> tuple[Measure, dict]:
-    """A warmed-up JaxEngine decoding at most `batch` rows at once (CB or waves)."""
+    """A warmed-up JaxEngine decoding at most `batch` rows at once (CB or waves), its
+    completion cap `sampling.max_new_tokens`."""
     engine = JaxEngine(
         MODEL, jax.devices()[:1], pad_id=PAD_ID, eos_ids=(EOS_ID,),
         max_prompt_length=pow2_at_least(profile.prompt_lengths[1]),
-        max_new_tokens=profile.max_new_tokens, continuous_batching=continuous,
+        max_new_tokens=sampling.max_new_tokens, continuous_batching=continuous,
         max_batch_size=batch,
     )  # fmt: skip
     engine.load_weights(params)
     engine.generate(prompts, sampling, seed=0)  # compile
-    info = {"decode_batch": min(batch, pow2_at_least(profile.requests))}
+    info = {"decode_batch": min(batch, pow2_at_least(profile.requests)),
+            "pool_pages": engine.num_pages, "page_size": engine.page_size}
 
     def measure(rep: int) -> dict[str, float]:
         wall, out = timed(lambda: engine.generate(prompts, sampling, seed=rep + 1))
         info["compile_count"] = engine.compile_count
+        stats = engine.last_stats
         return {
             "wall_s": wall,
             "tokens": sum(len(c.tokens) for c in out),
-            "iterations": sum(engine.last_iterations),
+            "iterations": sum(s["iterations"] for s in stats),
+            "peak_pages": max(s["peak_pages"] for s in stats),
+            "shared_pages": sum(s["shared_pages"] for s in stats),
+            "preemptions": sum(s["preemptions"] for s in stats),
+            "completions": [c.tokens.tolist() for c in out],
         }
 
     return measure, info
+
+
+def rev_arm(profile, prompts, sampling, rev: str) -> tuple[Measure, dict]:
+    """Revision `rev`'s JaxEngine, in a worker process over `git archive` of its package,
+    with the engine arm's settings; asked for one generate per repeat."""
+    import atexit
+    import shutil
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    tree = Path(tempfile.mkdtemp(prefix="rev-engine-"))
+    atexit.register(shutil.rmtree, tree, ignore_errors=True)
+    archive = subprocess.run(["git", "archive", rev, "tunix_mcjax"], check=True,
+                             capture_output=True, timeout=120).stdout
+    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True, timeout=120)
+    worker = Path(__file__).with_name("rev_engine_worker.py")
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    proc = subprocess.Popen([sys.executable, str(worker)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True, env=env)
+    atexit.register(proc.kill)
+
+    def ask(request: dict) -> dict:
+        proc.stdin.write(json.dumps(request) + "\n")
+        proc.stdin.flush()
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {rev} engine worker exited with {proc.wait()}")
+        return json.loads(line)
+
+    info = ask({"prompts": prompts, "max_prompt_length": pow2_at_least(profile.prompt_lengths[1]),
+                "max_new_tokens": sampling.max_new_tokens, "max_batch_size": profile.decode_batch,
+                "sampling": dataclasses.asdict(sampling)})
+    info.update(rev=rev, decode_batch=min(profile.decode_batch, pow2_at_least(profile.requests)))
+    return lambda rep: ask({"seed": rep + 1}), info
 
 
 # MaxText's dense Qwen3 at MODEL's shape, CPU kernels, fp32 (`--engine maxtext`).
@@ -266,39 +332,54 @@ ENGINE_ARMS = {"maxtext": maxtext_arm, "vllm": vllm_arm}
 
 
 def floor_arm(profile, params, batch: int, steps: int = 32) -> tuple[Measure, dict]:
-    """Our decode step alone (cache donated) in a tight loop, and our prefill alone, jitted."""
+    """Our paged decode step alone (every row at the prompt bucket, pool donated) in a tight
+    loop, and our prefill alone (one chunk of each distinct prompt), jitted."""
     prompt_bucket = pow2_at_least(profile.prompt_lengths[1])
-    cache_len = prompt_bucket + pow2_at_least(profile.max_new_tokens)
+    page = pages.DEFAULT_PAGE_SIZE
+    table = pages.cdiv(prompt_bucket + steps, page)
     device = jax.devices()[0]
     params = jax.device_put(unflatten_tree(flatten_tree(params)), device)
-    step = jax.jit(lambda p, c, t, pos: fwd.decode_step(MODEL, p, c, t, pos), donate_argnums=1)
-    prefill = jax.jit(lambda p, t, n: fwd.prefill(MODEL, p, t, n))
-    state = {"cache": jax.device_put(fwd.empty_cache(MODEL, batch, cache_len), device)}
-    tokens = jax.device_put(jnp.full((batch,), 5, jnp.int32), device)
-    positions = [
-        jax.device_put(jnp.full((batch,), prompt_bucket + i), device) for i in range(steps)
-    ]
-    n = profile.prompts  # the engine prefills each distinct prompt once
-    prompt_tokens = jax.device_put(jnp.full((n, prompt_bucket), 5, jnp.int32), device)
-    lengths = jax.device_put(jnp.full((n,), prompt_bucket, jnp.int32), device)
+    num_pages = (batch + profile.prompts) * table
+    layout = paged_attention.SplitPages()
+    pool = jax.device_put([layout.empty(num_pages, page, MODEL.num_kv_heads, MODEL.head_dim,
+                                        MODEL.dtype) for _ in range(MODEL.num_layers)], device)
 
-    def run_steps() -> None:
-        cache = state["cache"]
-        for pos in positions:
-            logits, cache = step(params, cache, tokens, pos)
-        state["cache"] = cache
+    def rows(tokens, positions, tables):
+        n, c = tokens.shape
+        return fwd.PagedRows(
+            tokens=tokens, positions=positions,
+            write_pages=jnp.take_along_axis(tables, positions // page, axis=1),
+            write_offsets=positions % page, tables=tables,
+            kv_lens=positions[:, -1] + 1, q_lens=jnp.full((n,), c, jnp.int32),
+            logit_cols=jnp.full((n,), c - 1, jnp.int32))
+
+    step = jax.jit(lambda p, pool, r: fwd.paged_forward(MODEL, p, pool, r, layout),
+                   donate_argnums=1)
+    tables = jnp.arange(batch * table, dtype=jnp.int32).reshape(batch, table)
+    decode_rows = [rows(jnp.full((batch, 1), 5, jnp.int32),
+                        jnp.full((batch, 1), prompt_bucket + i, jnp.int32), tables)
+                   for i in range(steps)]
+    n = profile.prompts  # the engine prefills each distinct prompt once
+    prefill_tables = batch * table + jnp.arange(n * table, dtype=jnp.int32).reshape(n, table)
+    prefill = rows(jnp.full((n, prompt_bucket), 5, jnp.int32),
+                   jnp.broadcast_to(jnp.arange(prompt_bucket, dtype=jnp.int32),
+                                    (n, prompt_bucket)), prefill_tables)
+    state = {"pool": pool}
+
+    def run(calls) -> None:
+        pool = state["pool"]
+        for r in calls:
+            logits, pool = step(params, pool, r)
+        state["pool"] = pool
         logits.block_until_ready()
 
-    def run_prefill() -> None:
-        jax.block_until_ready(prefill(params, prompt_tokens, lengths))
-
-    run_steps()  # compile
-    run_prefill()
+    run(decode_rows[:1])  # compile
+    run([prefill])
 
     def measure(rep: int) -> dict[str, float]:
         return {
-            "step_ms": timed(run_steps)[0] / steps * 1e3,
-            "prefill_ms": timed(run_prefill)[0] * 1e3,
+            "step_ms": timed(lambda: run(decode_rows))[0] / steps * 1e3,
+            "prefill_ms": timed(lambda: run([prefill]))[0] * 1e3,
         }
 
     return measure, {"batch": batch}
@@ -312,9 +393,19 @@ def column(records: list[dict[str, float]], key: str) -> list[float]:
     return [r[key] for r in records]
 
 
-def run(profile: EngineProfile, engines: Sequence[str] = ()) -> dict[str, Any]:
+def same_outputs(records: list[dict], reference: list[dict]) -> float:
+    """Share of requests, over all repeats, whose completion equals the reference arm's."""
+    pairs = [(a, b) for r, q in zip(records, reference, strict=True)
+             for a, b in zip(r["completions"], q["completions"], strict=True)]
+    return sum(a == b for a, b in pairs) / len(pairs)
+
+
+def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = None
+        ) -> dict[str, Any]:
     """Warm every arm up, then run the arms interleaved, once each per repeat, so that load
-    from other processes hits them alike. `engines` names `ENGINE_ARMS` to add."""
+    from other processes hits them alike. `engines` names `ENGINE_ARMS` to add; `rev` adds
+    that revision's JAX engine."""
+    load_before = os.getloadavg()
     compiles = [0]
     jax.monitoring.register_event_duration_secs_listener(
         lambda event, _s, **_: (
@@ -333,9 +424,15 @@ def run(profile: EngineProfile, engines: Sequence[str] = ()) -> dict[str, Any]:
     )  # fmt: skip
     workload = (profile, params, prompts, sampling)
     arms = {"engine": engine_arm(*workload, continuous=True, batch=profile.decode_batch)}
-    if not profile.ignore_eos:
+    if profile.short_cap:
+        short = dataclasses.replace(sampling, max_new_tokens=profile.short_cap)
+        arms["engine_short_cap"] = engine_arm(profile, params, prompts, short, continuous=True,
+                                              batch=profile.decode_batch)
+    if not profile.ignore_eos and profile.decode_batch < profile.requests:
         arms["engine_waves"] = engine_arm(*workload, continuous=False, batch=profile.decode_batch)
         arms["engine_one_batch"] = engine_arm(*workload, continuous=False, batch=profile.requests)
+    if rev:
+        arms["rev"] = rev_arm(profile, prompts, sampling, rev)
     for name in engines:
         arms[name] = ENGINE_ARMS[name](*workload)
     arms["tunix"] = tunix_arm(profile, model, prompts, sampling, compiles)
@@ -344,6 +441,11 @@ def run(profile: EngineProfile, engines: Sequence[str] = ()) -> dict[str, Any]:
     for rep in range(profile.repeats):
         for name, (measure, _) in arms.items():
             records[name].append(measure(rep))
+    same = {name: same_outputs(records[name], records["engine"])
+            for name in ("engine_short_cap", "rev") if name in records}
+    for arm_records in records.values():
+        for record in arm_records:
+            record.pop("completions", None)
     engine, tunix, floor = records["engine"], records["tunix"], records["floor"]
     prefill_ms = float(np.median(column(floor, "prefill_ms")))
     iterations = float(np.median(column(engine, "iterations")))
@@ -355,6 +457,7 @@ def run(profile: EngineProfile, engines: Sequence[str] = ()) -> dict[str, Any]:
         "model": {k: getattr(MODEL, k) for k in ("num_layers", "vocab_size", "embed_dim",
                                                  "hidden_dim", "num_heads", "num_kv_heads")},
         "device": str(jax.devices()[0]),
+        "loadavg_1_5_15": {"before": load_before, "after": os.getloadavg()},
         "engine_tokens_per_s": spread(tokens_per_s(engine))["median"],
         "engine_tokens_per_s_spread": spread(tokens_per_s(engine)),
         "tunix_sampler_tokens_per_s": spread(tokens_per_s(tunix))["median"],
@@ -372,6 +475,14 @@ def run(profile: EngineProfile, engines: Sequence[str] = ()) -> dict[str, Any]:
         "arm_info": {name: info for name, (_, info) in arms.items()},
         "records": records,
     }  # fmt: skip
+    result["same_outputs_as_engine"] = same
+    if "engine_short_cap" in records:
+        result["cap_wall_ratio"] = bootstrap_ratio(column(engine, "wall_s"),
+                                                   column(records["engine_short_cap"], "wall_s"))
+    if "rev" in records:
+        result["rev_tokens_per_s_spread"] = spread(tokens_per_s(records["rev"]))
+        result["tokens_per_s_ratio_vs_rev"] = bootstrap_ratio(tokens_per_s(engine),
+                                                              tokens_per_s(records["rev"]))
     for name in engines:
         result[f"{name}_tokens_per_s_spread"] = spread(tokens_per_s(records[name]))
         result[f"{name}_tokens_per_s_ratio_vs_engine"] = bootstrap_ratio(
@@ -394,6 +505,8 @@ def print_table(result: dict[str, Any]) -> None:
     records, info = result["records"], result["arm_info"]
     rows = [
         ("engine (CB)", "engine"),
+        (f"cap {result['profile']['short_cap']}", "engine_short_cap"),
+        (f"rev {info.get('rev', {}).get('rev', '')}"[:16], "rev"),
         ("no CB, waves", "engine_waves"),
         ("no CB, 1 batch", "engine_one_batch"),
         *((f"{name} engine", name) for name in ENGINE_ARMS),
@@ -420,6 +533,15 @@ def print_table(result: dict[str, Any]) -> None:
         f"ratio {result['iteration_vs_floor_ratio']:.2f}; "
         f"prefill floor {result['prefill_ms']:.1f} ms"
     )
+    if "cap_wall_ratio" in result:
+        ratio, low, high = result["cap_wall_ratio"]
+        print(f"generate wall at cap {result['profile']['max_new_tokens']} over cap "
+              f"{result['profile']['short_cap']}: {ratio:.2f} [95% CI {low:.2f}, {high:.2f}], "
+              f"same outputs {result['same_outputs_as_engine']['engine_short_cap']:.0%}")
+    if "tokens_per_s_ratio_vs_rev" in result:
+        ratio, low, high = result["tokens_per_s_ratio_vs_rev"]
+        print(f"engine tokens/s vs rev {info['rev']['rev']}: {ratio:.2f} [95% CI {low:.2f}, "
+              f"{high:.2f}], same outputs {result['same_outputs_as_engine']['rev']:.0%}")
     for name in ENGINE_ARMS:
         for other in ("engine", "tunix"):
             if f"{name}_tokens_per_s_ratio_vs_{other}" in result:
@@ -442,13 +564,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--json", help="write the full result here")
     parser.add_argument("--engine", action="append", choices=sorted(ENGINE_ARMS), default=[],
                         help="also run this engine beside the JAX engine (repeatable)")
+    parser.add_argument("--rev", help="also run this git revision's JAX engine (e.g. the "
+                        "commit before the paged engine), in a worker process")
     parser.add_argument("--repeats", type=int, help="timed repeats per arm (default: the "
                         "profile's); more narrow the intervals on a loaded machine")
     args = parser.parse_args(argv)
     profile = PROFILES[args.profile]
     if args.repeats:
         profile = dataclasses.replace(profile, repeats=args.repeats)
-    result = run(profile, args.engine)
+    result = run(profile, args.engine, args.rev)
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:

@@ -33,12 +33,12 @@ from tunix_mcjax.engine.decode_loop import (
     ProgramShape,
     build_program,
 )
-from tunix_mcjax.engine.paged_attention import backend_attention
+from tunix_mcjax.engine.paged_attention import layout_for
 from tunix_mcjax.engine.qwen3_forward import Qwen3PagedModel
 from tunix_mcjax.engine.sampling import SamplerSpec
 
 LeafPath = tuple[str, ...]
-MAX_STOP_IDS = 8
+MAX_STOP_IDS = 32
 MIN_PROMPT_BUCKET = 8
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # prefill tokens per loop iteration
 DEFAULT_HBM_UTILIZATION = 0.72  # MaxText's rl.yml default for hbm_utilization_vllm
@@ -241,7 +241,7 @@ class JaxEngine(Engine):
 
     def _decode_model(self, mesh: Mesh) -> DecodeModel:
         platform = mesh.devices.flat[0].platform
-        return Qwen3PagedModel(self.model_config, mesh, backend_attention(platform))
+        return Qwen3PagedModel(self.model_config, mesh, layout_for(platform))
 
     def _tree(self, flat: Mapping[LeafPath, Any]) -> dict[str, Any]:
         """The nested param tree the decode model takes."""
@@ -522,7 +522,8 @@ class JaxEngine(Engine):
             vocab = self.model_config.vocab_size
             if self.lockstep:
                 fn = self._lockstep(build_program(model, shape, spec, self.masked_id, vocab,
-                                                  lockstep_axis="data"), mesh)
+                                                  lockstep_axis="data"), mesh,
+                                    model.layout.spec("data"))
             else:
                 fn = build_program(model, shape, spec, self.masked_id, vocab)
             self._programs[cache_key] = jax.jit(fn, donate_argnums=1).lower(
@@ -530,16 +531,17 @@ class JaxEngine(Engine):
         return self._programs[cache_key]
 
     @staticmethod
-    def _lockstep(program, mesh: Mesh):
+    def _lockstep(program, mesh: Mesh, pool_spec: P):
         """Each device group of `mesh` runs its replica's program on its slice of the pool and
         of the stacked inputs; the loop condition is one all-reduce over `data`."""
+        pages = P(*(axis if axis == "data" else None for axis in pool_spec))
         def per_replica(params, pool, inputs):
             inputs = jax.tree.map(lambda x: x[0], inputs)
             outputs, pool = program(params, pool, inputs)
             return jax.tree.map(lambda x: x[None], outputs), pool
 
-        return jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), P("data"), P("data")),
-                             out_specs=(P("data"), P("data")), axis_names={"data"},
+        return jax.shard_map(per_replica, mesh=mesh, in_specs=(P(), pages, P("data")),
+                             out_specs=(P("data"), pages), axis_names={"data"},
                              check_vma=False)
 
     def _collect(

@@ -1,74 +1,64 @@
-"""Attention over a KV page pool, for rows of queries: one definition, two backends.
+"""Attention over a KV page pool, for rows of queries: one definition, two page layouts.
 
 A call attends R rows. Row r has `q_lens[r]` queries, the last ones of its `kv_lens[r]` tokens:
 query j sits at position `kv_lens[r] - q_lens[r] + j` and sees the row's keys at positions up to
-its own. Keys and values come from the pages of the row's block table (`pages.py` has the
-layout). Queries j >= q_lens[r] are padding; their outputs are zero. A decode step is rows of
-one query; a prefill chunk is a row of up to `chunk` queries. These are the semantics of JAX's
-TPU `ragged_paged_attention`, with the tokens grouped by row.
+its own. Keys and values come from the pages of the row's block table (entry i holds positions
+`[i * page_size, (i + 1) * page_size)`). Queries j >= q_lens[r] are padding; their outputs are
+zero. A decode step is rows of one query; a prefill chunk is a row of up to `chunk` queries.
+These are the semantics of JAX's TPU `ragged_paged_attention`, with the tokens grouped by row.
 
-- `reference_attention`: the definition, one row at a time over its whole table (tests).
-- `xla_attention` (CPU, GPU): every row at once over the first n pages of each table, n the
-  longest live row rounded up to a power of two (a `lax.switch` over those sizes), so a step
-  costs what its live tokens cost, not what the caps would.
-- `tpu_attention`: the Pallas kernel shipped with JAX, after packing the rows' queries into its
-  token layout (`rpa_arguments`); the kernel only reads pages, the model writes them.
+- `reference_attention`: the definition, one row at a time over its keys and values (tests).
+- `SplitPages` (CPU, GPU): keys and values in two arrays `[kv_heads, pages, page_size,
+  head_dim]`; every row at once over the first n pages of each table, n the longest live row
+  rounded up to a power of two (a `lax.switch` over those sizes), so a step costs what its live
+  tokens cost, not what the caps would.
+- `CombinedPages` (TPU): one array `[pages, page_size, 2 * kv_heads, head_dim]`, keys at even and
+  values at odd heads, read by the Pallas kernel shipped with JAX after packing the rows'
+  queries into its token layout (`rpa_arguments`). The kernel only reads; the model writes.
 """
 
 from __future__ import annotations
 
-import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3.model import K_MASK
 
 
-def split_kv(kv: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Combined heads [..., 2 * K, H] -> keys, values [..., K, H] (even and odd heads)."""
-    return kv[..., 0::2, :], kv[..., 1::2, :]
+def attend_rows(q, k, v, kv_lens, q_lens) -> jax.Array:
+    """q [R, C, N, H], k/v [K, R, L, H] (key i of row r at [:, r, i]) -> [R, C, N, H].
 
-
-def combine_kv(k: jax.Array, v: jax.Array) -> jax.Array:
-    """Keys, values [..., K, H] -> combined heads [..., 2 * K, H] (keys at even heads)."""
-    return jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
-
-
-def _attend(q, k, v, kv_lens, q_lens):
-    """q [R, C, N, H], k/v [R, L, K, H] (key i at position i) -> [R, C, N, H]."""
+    Keys and values come kv-head-major, so both contractions are batched over (K, R) with no
+    transpose of the gathered pages."""
     r, c, n, h = q.shape
-    kv_heads = k.shape[2]
+    kv_heads = k.shape[0]
     q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(c)[None, :]  # [R, C]
-    k_pos = jnp.arange(k.shape[1])
+    k_pos = jnp.arange(k.shape[2])
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :]
                                                           < kv_lens[:, None, None])
-    qg = q.reshape(r, c, kv_heads, n // kv_heads, h)
-    scores = jnp.einsum("RCKGH,RLKH->RKGCL", qg, k) * h**-0.5
-    scores = jnp.where(mask[:, None, None], scores, K_MASK)
+    qg = jnp.moveaxis(q.reshape(r, c, kv_heads, n // kv_heads, h), 2, 0)  # [K, R, C, G, H]
+    scores = jnp.einsum("KRCGH,KRLH->KRCGL", qg, k) * h**-0.5
+    scores = jnp.where(mask[None, :, :, None], scores, K_MASK)
     probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
     # Slots past a row's length hold whatever a page held before: keep them out of the sum.
-    live = (k_pos[None, :] < kv_lens[:, None])[:, :, None, None]
+    live = (k_pos[None, :] < kv_lens[:, None])[None, :, :, None]
     v = jnp.where(live, v, jnp.zeros_like(v))
-    out = jnp.einsum("RKGCL,RLKH->RCKGH", probs, v).reshape(r, c, n, h)
+    out = jnp.einsum("KRCGL,KRLH->KRCGH", probs, v)
+    out = jnp.moveaxis(out, 0, 2).reshape(r, c, n, h)
     real = jnp.arange(c)[None, :] < q_lens[:, None]
     return jnp.where(real[:, :, None, None], out, jnp.zeros_like(out))
 
 
-def _gather(kv_pages: jax.Array, tables: jax.Array, num_pages: int):
-    """Keys and values [R, num_pages * page_size, K, H] of each row's first `num_pages`."""
-    r = tables.shape[0]
-    kv = kv_pages[jnp.maximum(tables[:, :num_pages], 0)]  # [R, n, page, 2K, H]
-    k, v = split_kv(kv.reshape(r, -1, *kv.shape[3:]))
-    return k, v
+def reference_attention(q, k_seq, v_seq, kv_lens, q_lens) -> jax.Array:
+    """The definition, one row at a time: k_seq/v_seq [R, L, K, H] are each row's keys and
+    values by position (what its pages hold)."""
+    def head_major(x):
+        return jnp.moveaxis(x, 2, 0)
 
-
-def reference_attention(q, kv_pages, tables, kv_lens, q_lens) -> jax.Array:
-    """The definition: each row alone, over every page of its table."""
-    rows = [
-        _attend(q[i:i + 1], *_gather(kv_pages, tables[i:i + 1], tables.shape[1]),
-                kv_lens[i:i + 1], q_lens[i:i + 1])
-        for i in range(q.shape[0])
-    ]
+    rows = [attend_rows(q[i:i + 1], head_major(k_seq[i:i + 1]), head_major(v_seq[i:i + 1]),
+                        kv_lens[i:i + 1], q_lens[i:i + 1]) for i in range(q.shape[0])]
     return jnp.concatenate(rows, axis=0)
 
 
@@ -81,26 +71,93 @@ def page_buckets(max_pages: int) -> tuple[int, ...]:
     return (*sizes, max_pages)
 
 
-def xla_attention(q, kv_pages, tables, kv_lens, q_lens) -> jax.Array:
-    """All rows at once over the smallest bucket of pages that holds the longest live row."""
-    page_size = kv_pages.shape[1]
-    buckets = page_buckets(tables.shape[1])
-    live = jnp.max(jnp.where(q_lens > 0, kv_lens, 0))
-    needed = (live + page_size - 1) // page_size
-    index = jnp.sum(jnp.asarray(buckets[:-1]) < needed)
+class SplitPages:
+    """Keys and values `[kv_heads, pages, page_size, head_dim]` each; XLA attention over the
+    live pages. A layer's pool is the pair (keys, values)."""
 
-    def branch(n):
-        return lambda q, kv_pages, tables, kv_lens, q_lens: _attend(
-            q, *_gather(kv_pages, tables, n), kv_lens, q_lens)
+    def empty(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+              dtype: Any) -> tuple[jax.Array, jax.Array]:
+        shape = (kv_heads, num_pages, page_size, head_dim)
+        return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
-    return jax.lax.switch(index, [branch(n) for n in buckets],
-                          q, kv_pages, tables, kv_lens, q_lens)
+    def spec(self, pages_axis: str | None) -> P:
+        """The partition of one pool array: kv heads over `tp` (and pages over `pages_axis`)."""
+        return P("tp", pages_axis, None, None)
+
+    def write(self, layer, pages, offsets, k, v):
+        """Token (r, c)'s k/v [R, C, K, H] at `pages[r, c]` (out of range: dropped), slot
+        `offsets[r, c]`."""
+        def put(x, new):
+            return x.at[:, pages, offsets].set(jnp.moveaxis(new, 2, 0).astype(x.dtype),
+                                               mode="drop")
+        return put(layer[0], k), put(layer[1], v)
+
+    def copy_page(self, layer, source, target):
+        return tuple(x.at[:, target].set(x[:, source]) for x in layer)
+
+    def sequences(self, layer, tables, num_pages: int):
+        """Each row's keys and values [K, R, num_pages * page_size, H] from its first
+        `num_pages` table entries."""
+        def gather(x):  # [K, pages, page, H] -> [K, R, n * page, H]
+            g = x[:, jnp.maximum(tables[:, :num_pages], 0)]
+            return g.reshape(*g.shape[:2], -1, g.shape[-1])
+        return gather(layer[0]), gather(layer[1])
+
+    def attend(self, q, layer, tables, kv_lens, q_lens) -> jax.Array:
+        page_size = layer[0].shape[2]
+        buckets = page_buckets(tables.shape[1])
+        live = jnp.max(jnp.where(q_lens > 0, kv_lens, 0))
+        index = jnp.sum(jnp.asarray(buckets[:-1]) < (live + page_size - 1) // page_size)
+
+        def branch(n):
+            def attend_n(q, layer, tables, kv_lens, q_lens):
+                return attend_rows(q, *self.sequences(layer, tables, n), kv_lens, q_lens)
+            return attend_n
+
+        return jax.lax.switch(index, [branch(n) for n in buckets],
+                              q, layer, tables, kv_lens, q_lens)
+
+
+class CombinedPages:
+    """One array `[pages, page_size, 2 * kv_heads, head_dim]`, keys at even and values at odd
+    combined heads: the layout of JAX's TPU `ragged_paged_attention`, which attends."""
+
+    def empty(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+              dtype: Any) -> jax.Array:
+        return jnp.zeros((num_pages, page_size, 2 * kv_heads, head_dim), dtype)
+
+    def spec(self, pages_axis: str | None) -> P:
+        return P(pages_axis, None, "tp", None)
+
+    def write(self, layer, pages, offsets, k, v):
+        kv = jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
+        return layer.at[pages, offsets].set(kv.astype(layer.dtype), mode="drop")
+
+    def copy_page(self, layer, source, target):
+        return layer.at[target].set(layer[source])
+
+    def sequences(self, layer, tables, num_pages: int):
+        """Each row's keys and values [K, R, num_pages * page_size, H] (as SplitPages')."""
+        g = layer[jnp.maximum(tables[:, :num_pages], 0)]  # [R, n, page, 2K, H]
+        g = jnp.moveaxis(g.reshape(tables.shape[0], -1, *g.shape[3:]), 2, 0)  # [2K, R, L, H]
+        return g[0::2], g[1::2]
+
+    def attend(self, q, layer, tables, kv_lens, q_lens) -> jax.Array:
+        from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
+            ragged_paged_attention,
+        )
+
+        args, where = rpa_arguments(q, tables, kv_lens, q_lens)
+        packed, lens, indices, cu_q_lens, num_seqs = args
+        out = ragged_paged_attention(packed, layer, lens, indices, cu_q_lens, num_seqs,
+                                     sm_scale=q.shape[-1]**-0.5)
+        return unpack_rows(out, where, q.shape)
 
 
 def rpa_arguments(q, tables, kv_lens, q_lens):
     """Rows -> the TPU kernel's positional arguments after `kv_pages`: queries packed token by
     token [R * C, N, H], kv_lens, page_indices (no -1), cu_q_lens [R + 1], num_seqs [1]; and
-    (row, column) of each packed token, to put the outputs back."""
+    (row, column, real) of each packed token, to put the outputs back."""
     r, c = q.shape[:2]
     cu_q_lens = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(q_lens)]).astype(jnp.int32)
     token = jnp.arange(r * c)
@@ -113,7 +170,7 @@ def rpa_arguments(q, tables, kv_lens, q_lens):
 
 
 def unpack_rows(out: jax.Array, where: tuple, shape: tuple[int, ...]) -> jax.Array:
-    """Packed outputs [T, N, H] (T <= R * C real tokens first) -> rows [R, C, N, H], padding
+    """Packed outputs [T, N, H] (T <= R * C, real tokens first) -> rows [R, C, N, H], padding
     queries zero."""
     row, col, real = where
     out = jnp.pad(out, ((0, row.shape[0] - out.shape[0]), (0, 0), (0, 0)))
@@ -121,18 +178,7 @@ def unpack_rows(out: jax.Array, where: tuple, shape: tuple[int, ...]) -> jax.Arr
     return rows.at[jnp.where(real, row, shape[0]), col].set(out, mode="drop")
 
 
-def tpu_attention(q, kv_pages, tables, kv_lens, q_lens) -> jax.Array:
-    """JAX's Pallas `ragged_paged_attention` (TPU only)."""
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import ragged_paged_attention
-
-    args, where = rpa_arguments(q, tables, kv_lens, q_lens)
-    packed, lens, indices, cu_q_lens, num_seqs = args
-    out = ragged_paged_attention(packed, kv_pages, lens, indices, cu_q_lens, num_seqs,
-                                 sm_scale=q.shape[-1]**-0.5)
-    return unpack_rows(out, where, q.shape)
-
-
-@functools.cache
-def backend_attention(platform: str):
-    """The attention a replica on `platform` runs: the Pallas kernel on TPU, XLA elsewhere."""
-    return tpu_attention if platform == "tpu" else xla_attention
+def layout_for(platform: str) -> SplitPages | CombinedPages:
+    """The page layout a replica on `platform` uses: the Pallas kernel's on TPU, XLA's
+    elsewhere."""
+    return CombinedPages() if platform == "tpu" else SplitPages()

@@ -10,24 +10,22 @@ Params are the nested dict of `nnx.to_pure_dict(nnx.state(model, nnx.Param))` wi
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3.model import K_MASK, ModelConfig
 
 from tunix_mcjax import lora
-from tunix_mcjax.engine.paged_attention import combine_kv
+from tunix_mcjax.engine.paged_attention import CombinedPages, SplitPages
 
 Params = dict[str, Any]
 # Tunix 0.1.7's attention calls `apply_rope` without `config.rope_theta`, so its Qwen3 always
 # rotates with the default 1e6. The trainer scores with Tunix's model; we match it, not the config.
 TUNIX_ROPE_THETA = 1_000_000
-# (q, layer pages, tables, kv_lens, q_lens) -> attention out (`engine.paged_attention`).
-Attention = Callable[..., jax.Array]
+# How a layer's pages are laid out, written and attended (`engine.paged_attention`).
+PageLayout = SplitPages | CombinedPages
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,10 +130,10 @@ def _logits(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
 def paged_forward(
     cfg: ModelConfig,
     params: Params,
-    pool: list[jax.Array],
+    pool: list[Any],
     rows: PagedRows,
-    attention: Attention,
-) -> tuple[jax.Array, list[jax.Array]]:
+    layout: PageLayout,
+) -> tuple[jax.Array, list[Any]]:
     """Rows of tokens through the model over a page pool -> (fp32 logits [R, V] at each row's
     `logit_cols`, the pool with every real token's key/value written).
 
@@ -145,43 +143,40 @@ def paged_forward(
     x = embed_tokens(cfg, params, rows.tokens)
     new_pool = []
     for i in range(cfg.num_layers):
-        layer_pages = pool[i]
+        layer_pool = pool[i]
 
-        def attend(q, k, v, layer_pages=layer_pages):
-            written = layer_pages.at[rows.write_pages, rows.write_offsets].set(
-                combine_kv(k, v).astype(layer_pages.dtype), mode="drop")
-            out = attention(q, written, rows.tables, rows.kv_lens, rows.q_lens)
-            return out, written
+        def attend(q, k, v, layer_pool=layer_pool):
+            written = layout.write(layer_pool, rows.write_pages, rows.write_offsets, k, v)
+            return layout.attend(q, written, rows.tables, rows.kv_lens, rows.q_lens), written
 
-        x, layer_pages = decoder_layer(cfg, params["layers"][str(i)], x, rows.positions, attend)
-        new_pool.append(layer_pages)
+        x, layer_pool = decoder_layer(cfg, params["layers"][str(i)], x, rows.positions, attend)
+        new_pool.append(layer_pool)
     last = x[jnp.arange(r), rows.logit_cols]
     return _logits(cfg, params, last), new_pool
 
 
-def empty_pool(cfg: ModelConfig, num_pages: int, page_size: int) -> list[jax.Array]:
-    """One page array per layer, [num_pages, page_size, 2 * kv_heads, head_dim]."""
-    shape = (num_pages, page_size, 2 * cfg.num_kv_heads, cfg.head_dim)
-    return [jnp.zeros(shape, cfg.dtype) for _ in range(cfg.num_layers)]
-
-
 class Qwen3PagedModel:
     """Tunix Qwen3 as the decode loop's model (`decode_loop.DecodeModel`), on a replica's mesh
-    [data, tp]: the pool's combined kv heads are split over `tp`, as the attention heads are,
-    and its pages over `data` (more than one replica only in lockstep, a pool slice each)."""
+    [data, tp]: the pool's kv heads are split over `tp`, as the attention heads are, and its
+    pages over `data` (more than one replica only in lockstep, a pool slice each)."""
 
-    def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh, attention: Attention):
-        self.cfg, self.attention, self.mesh = cfg, attention, mesh
+    def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh, layout: PageLayout):
+        self.cfg, self.layout, self.mesh = cfg, layout, mesh
 
-    def empty_pool(self, num_pages: int, page_size: int) -> list[jax.Array]:
-        make = jax.jit(lambda: empty_pool(self.cfg, num_pages, page_size),
-                       out_shardings=NamedSharding(self.mesh, P("data", None, "tp", None)))
-        return make()
+    def empty_pool(self, num_pages: int, page_size: int) -> list[Any]:
+        cfg = self.cfg
 
-    def forward(self, params: Params, pool: list[jax.Array], rows: PagedRows):
-        logits, pool = paged_forward(self.cfg, params, pool, rows, self.attention)
-        heads = NamedSharding(self.mesh, P(None, None, "tp", None))
-        return logits, [jax.lax.with_sharding_constraint(p, heads) for p in pool]
+        def make():
+            return [self.layout.empty(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                                      cfg.dtype) for _ in range(cfg.num_layers)]
 
-    def copy_page(self, pool: list[jax.Array], source: jax.Array, target: jax.Array):
-        return [p.at[target].set(p[source]) for p in pool]
+        sharding = NamedSharding(self.mesh, self.layout.spec("data"))
+        return jax.jit(make, out_shardings=sharding)()
+
+    def forward(self, params: Params, pool: list[Any], rows: PagedRows):
+        logits, pool = paged_forward(self.cfg, params, pool, rows, self.layout)
+        heads = NamedSharding(self.mesh, self.layout.spec(None))
+        return logits, jax.tree.map(lambda p: jax.lax.with_sharding_constraint(p, heads), pool)
+
+    def copy_page(self, pool: list[Any], source: jax.Array, target: jax.Array):
+        return [self.layout.copy_page(layer, source, target) for layer in pool]

@@ -1,0 +1,57 @@
+"""Serves `JaxEngine.generate` calls of another revision's engine, for `bench.engine --rev`.
+
+Run as a file with that revision's package first on the path (PYTHONPATH=<its tree>), so that
+`tunix_mcjax` is the other revision's. It uses only what every revision's engine and benchmark
+have: `bench.engine.MODEL`, `JaxEngine(...)`, `load_weights`, `generate`, `last_iterations`.
+One JSON object per line on stdin, one answer per line on stdout:
+
+    {"prompts": [[...]], "max_prompt_length": P, "max_new_tokens": M, "max_batch_size": B,
+     "sampling": {...SamplingParams fields...}}      -> {"compile_count": n}  (built, warmed up)
+    {"seed": s}                                       -> {"wall_s", "tokens", "iterations",
+                                                          "completions"}
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+
+def main() -> None:
+    import jax
+    from flax import nnx
+    from tunix.models.qwen3 import model as qwen3
+
+    from tunix_mcjax.bench.engine import EOS_ID, MODEL, PAD_ID
+    from tunix_mcjax.engine.base import SamplingParams
+    from tunix_mcjax.engine.jax_engine import JaxEngine
+
+    engine = sampling = prompts = None
+    for line in sys.stdin:
+        request = json.loads(line)
+        if "prompts" in request:
+            prompts = request["prompts"]
+            sampling = SamplingParams(**{k: tuple(v) if isinstance(v, list) else v
+                                         for k, v in request["sampling"].items()})
+            with jax.default_device(jax.devices()[0]):
+                model = qwen3.Qwen3(MODEL, rngs=nnx.Rngs(0))
+            engine = JaxEngine(MODEL, jax.devices()[:1], pad_id=PAD_ID, eos_ids=(EOS_ID,),
+                               max_prompt_length=request["max_prompt_length"],
+                               max_new_tokens=request["max_new_tokens"],
+                               max_batch_size=request["max_batch_size"])
+            engine.load_weights(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+            engine.generate(prompts, sampling, seed=0)  # compile
+            answer = {"compile_count": engine.compile_count}
+        else:
+            start = time.perf_counter()
+            out = engine.generate(prompts, sampling, seed=request["seed"])
+            answer = {"wall_s": time.perf_counter() - start,
+                      "tokens": sum(len(c.tokens) for c in out),
+                      "iterations": sum(engine.last_iterations),
+                      "completions": [c.tokens.tolist() for c in out]}
+        print(json.dumps(answer), flush=True)
+
+
+if __name__ == "__main__":
+    main()
