@@ -154,6 +154,7 @@ def test_every_patch_has_pr_text() -> None:
     for patch in SERIES:
         pr_text = patch.with_suffix(".md").read_text()
         assert pr_text.startswith("# ") and "## Summary" in pr_text and "## Testing" in pr_text
+        assert "## Behaviour change for existing users" in pr_text
         files = patches.patched_files(patch)
         assert files and all(f.startswith("tunix/") for f in files)
 
