@@ -96,6 +96,7 @@ def test_every_patch_has_pr_text_and_touches_its_own_files() -> None:
     for patch in SERIES:
         pr_text = patch.with_suffix(".md").read_text()
         assert pr_text.startswith("# ") and "## Summary" in pr_text and "## Testing" in pr_text
+        assert "## Behaviour change for existing users" in pr_text
         files = patches.patched_files(patch)
         assert files and all(f.startswith("maxtext/") for f in files)
         assert not seen & set(files), f"{patch.name} touches files an earlier patch touches"
@@ -362,3 +363,80 @@ def test_default_runtime_reaches_pathways_path_and_its_lazy_vllm_import(
     assert pathways["raised_in"] == "_load_vllm_rollout"
     assert pathways["cause"] == "ModuleNotFoundError"
     assert "vLLM on tpu-inference" in pathways["error"]
+
+
+# --- without rl_runtime, train_rl.main takes MaxText's own path ---------------------------------
+
+DEFAULT_PATH_DRIVER = r'''
+"""Runs maxtext's train_rl.main without rl_runtime, recording what it calls; one REPORT line.
+
+vLLM's two MaxText modules are stubbed, so an unpatched train_rl (which imports them at module
+load) imports on a CPU host too; the stubs record when the adapter registers.
+"""
+import importlib.metadata as md
+import json
+import os
+import sys
+import types
+
+calls = []
+adapter = types.ModuleType("maxtext.integration.vllm.maxtext_vllm_adapter")
+adapter.register = lambda: calls.append("adapter.register")
+rollout = types.ModuleType("maxtext.integration.vllm.maxtext_vllm_rollout")
+rollout.MaxTextVllmRollout = type("MaxTextVllmRollout", (), {})
+sys.modules.update({adapter.__name__: adapter, rollout.__name__: rollout})
+import maxtext.integration.vllm as vllm_package  # noqa: E402  (light: no vLLM import)
+
+vllm_package.maxtext_vllm_adapter, vllm_package.maxtext_vllm_rollout = adapter, rollout
+
+from maxtext.trainers.post_train.rl import train_rl  # noqa: E402
+from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # noqa: E402
+
+real_entry_points = md.entry_points
+
+
+def entry_points(**selection):
+    calls.append(f"entry_points({selection.get('group')})")
+    return real_entry_points(**selection)
+
+
+md.entry_points = entry_points
+train_rl.pathwaysutils.initialize = lambda: calls.append("pathwaysutils.initialize")
+train_rl.max_utils.print_system_information = lambda: calls.append("print_system_information")
+train_rl.rl_train = lambda argv, kwargs: calls.append(
+    ["rl_train", [a.replace(MAXTEXT_CONFIGS_DIR, "<configs>") for a in argv], kwargs])
+argv = ["train_rl", os.path.join(MAXTEXT_CONFIGS_DIR, "post_train", "rl.yml"),
+        "model_name=qwen3-0.6b"]
+train_rl.main(argv, {"extra": 1})
+print("REPORT " + json.dumps({"train_rl": train_rl.__file__, "calls": calls}))
+'''
+
+
+def _default_path_calls(root: Path) -> list:
+    """What train_rl.main calls without rl_runtime, with ROOT's maxtext first on sys.path."""
+    driver = root / "default_path_driver.py"
+    driver.write_text(DEFAULT_PATH_DRIVER)
+    env = {**os.environ, "PYTHONPATH": str(root), "JAX_PLATFORMS": "cpu", "HF_HUB_OFFLINE": "1"}
+    env = {k: v for k, v in env.items() if not k.startswith("M_")}
+    result = subprocess.run([sys.executable, str(driver)], cwd=root, env=env,
+                            capture_output=True, text=True, timeout=300)
+    reports = [line for line in result.stdout.splitlines() if line.startswith("REPORT ")]
+    assert result.returncode == 0 and reports, result.stderr[-5000:]
+    report = json.loads(reports[-1].removeprefix("REPORT "))
+    assert report["train_rl"].startswith(str(root)), "the driver must import this copy"
+    return report["calls"]
+
+
+def test_train_rl_without_rl_runtime_takes_maxtexts_own_path(
+        pristine_root: Path, tmp_path: Path) -> None:
+    """The same calls in the same order as unpatched MaxText; only the vLLM import moved."""
+    patched = tmp_path / "patched"
+    shutil.copytree(pristine_root / "maxtext", patched / "maxtext")
+    assert patches.apply(MAXTEXT, patched) == SERIES
+    pristine_calls = _default_path_calls(pristine_root)
+    patched_calls = _default_path_calls(patched)
+    assert pristine_calls[0] == "adapter.register", "unpatched MaxText registers at import"
+    assert patched_calls == pristine_calls[1:]
+    assert patched_calls[-1] == [
+        "rl_train", ["train_rl", "<configs>/post_train/rl.yml", "model_name=qwen3-0.6b"],
+        {"extra": 1}]

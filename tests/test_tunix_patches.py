@@ -154,6 +154,7 @@ def test_every_patch_has_pr_text() -> None:
     for patch in SERIES:
         pr_text = patch.with_suffix(".md").read_text()
         assert pr_text.startswith("# ") and "## Summary" in pr_text and "## Testing" in pr_text
+        assert "## Behaviour change for existing users" in pr_text
         files = patches.patched_files(patch)
         assert files and all(f.startswith("tunix/") for f in files)
 
@@ -258,17 +259,21 @@ def test_rl_runtime_is_a_config_key_defaulting_to_default(
 
 # --- 0002: the sampler's key without a seed ------------------------------------------------------
 
-def test_unseeded_sampler_calls_draw_fresh_keys(pristine_root: Path, patched_root: Path) -> None:
+def test_unseeded_sampler_calls_draw_fresh_keys_only_when_asked(pristine_root: Path,
+                                                                patched_root: Path) -> None:
     pristine = run_check(pristine_root, "sampler_seed.py")
     patched = run_check(patched_root, "sampler_seed.py")
     assert pristine["sampler"].startswith(str(pristine_root))
     assert patched["sampler"].startswith(str(patched_root))
+    assert "fresh_key_per_call" in pristine["fresh_keys"]["error"]
     assert pristine["unseeded"][0] == pristine["unseeded"][1], "Tunix 0.1.7 reuses PRNGKey(0)"
-    assert patched["unseeded"][0] != patched["unseeded"][1]
+    assert patched["unseeded"] == pristine["unseeded"], "by default, still PRNGKey(0)"
+    assert patched["seeded"] == pristine["seeded"], "seeded sampling is unchanged"
+    fresh = patched["fresh_keys"]
+    assert fresh[0] != fresh[1] and pristine["unseeded"][0] not in fresh
     for report in (pristine, patched):
         assert report["seeded"][0] == report["seeded"][1], "a given seed stays reproducible"
         assert report["seeded"][0] != report["unseeded"][0]
-    assert patched["seeded"] == pristine["seeded"], "seeded sampling is unchanged"
 
 
 # --- 0003: shard_input under jax.distributed -----------------------------------------------------
@@ -311,6 +316,38 @@ def test_shard_input_refuses_rows_that_do_not_split(
         assert pristine["uneven"]["completion_ids"]["spec"] == "P()", "Tunix 0.1.7 replicates"
         error = patched["uneven"]["error"]
         assert "this process holds 3 rows" in error and "multiple of 2" in error
+
+
+def test_shard_input_replicates_uneven_rows_on_a_process_local_mesh(
+        shard_reports: dict[str, list[dict]]) -> None:
+    """No other process's devices in the mesh: nothing to corrupt, Tunix's behaviour stays."""
+    for pristine, patched in zip(shard_reports["pristine"], shard_reports["patched"], strict=True):
+        assert patched["uneven_local_mesh"] == pristine["uneven_local_mesh"]
+        assert pristine["uneven_local_mesh"]["completion_ids"]["spec"] == "P()"
+
+
+def test_single_process_shard_input_behaves_as_tunix_does(pristine_root: Path,
+                                                          patched_root: Path) -> None:
+    """One process, 4 devices: 8 rows shard, 2, 7 and 9 rows are replicated, never refused."""
+    pristine = run_check(pristine_root, "shard_input_single.py")
+    patched = run_check(patched_root, "shard_input_single.py")
+    assert patched["sharding_utils"].startswith(str(patched_root))
+    assert patched["devices"] == 4
+    assert patched["rows"] == pristine["rows"]
+    assert {rows: out["spec"] for rows, out in pristine["rows"].items()} == {
+        "2": "P()", "7": "P()", "8": "P('fsdp',)", "9": "P()"}
+
+
+# --- 0002 in Tunix's own loop: a GRPO run resumed from a checkpoint -----------------------------
+
+def test_grpo_learner_resumed_from_a_checkpoint_equals_an_uninterrupted_run(
+        patched_root: Path, tmp_path: Path) -> None:
+    """Tunix's rollout draws its keys without a seed; a resumed run must draw the same ones."""
+    report = run_check(patched_root, "grpo_resume.py", str(tmp_path / "checkpoints"))
+    assert report["grpo_learner"].startswith(str(patched_root))
+    assert report["restored_step"] == 1 and report["steps"] == [2, 1, 2]
+    assert report["trained_change"] > 0, "the check must change the actor's weights"
+    assert report["max_diff"] == 0.0
 
 
 # --- 0004: RLCluster with a per-process rollout ---------------------------------------------------

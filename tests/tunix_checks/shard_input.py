@@ -3,7 +3,9 @@
 Each process passes its own rows. A batch that mixes process-local leaves with a global array
 (what the trainer gets when beta > 0: the reference logps come from the mesh) must come out all
 global; rows that split evenly over this process's devices must be sharded, and rows that do
-not must be refused. Prints one "REPORT <json>" line per process.
+not must be refused. On a mesh of this process's own devices nothing spans processes, so rows
+that do not divide are replicated, as in one process. Prints one "REPORT <json>" line per
+process.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from tunix_mcjax import topology
 
 topo = topology.initialize_from_env()
 mesh = Mesh(np.array(jax.devices()), ("fsdp",))
+local_mesh = Mesh(np.array(jax.local_devices()), ("fsdp",))
 rows = 2 * len(topo.local_devices)
 
 
@@ -37,9 +40,9 @@ def summary(x) -> dict:
                                   for v in np.asarray(s.data)[:, 0]})}
 
 
-def attempt(batch: dict) -> dict:
+def attempt(batch: dict, on: Mesh = mesh) -> dict:
     try:
-        with mesh:
+        with on:
             out = sharding_utils.shard_input(batch, ("fsdp",))
     except ValueError as e:
         return {"error": str(e)}
@@ -55,5 +58,7 @@ report = {
     "mixed": attempt({"completion_ids": local_rows(rows), "ref_per_token_logps": global_logps}),
     "local_only": attempt({"completion_ids": local_rows(len(topo.local_devices))}),
     "uneven": attempt({"completion_ids": local_rows(len(topo.local_devices) + 1)}),
+    "uneven_local_mesh": attempt({"completion_ids": local_rows(len(topo.local_devices) + 1)},
+                                 on=local_mesh),
 }
 print("REPORT " + json.dumps(report), flush=True)
