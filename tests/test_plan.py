@@ -1,5 +1,6 @@
 """The memory planner: exact param counts, the trainer's own layout choices, XLA's buffer sizes
-for the train step, and what fits of the paper's profiles on 8 TPU v7x chips."""
+for the train step and the engine's program, the jax engine's page pool, and what fits of the
+paper's profiles on TPU v7x chips."""
 
 from __future__ import annotations
 
@@ -9,13 +10,19 @@ import pytest
 from flax import nnx
 
 from tunix_mcjax import memory, models, plan, topology
-from tunix_mcjax.bench.profiles import PROFILES
+from tunix_mcjax.bench.plan_tables import profile_config, v7x
 from tunix_mcjax.config import load_config
+from tunix_mcjax.engine.base import SamplingParams
+from tunix_mcjax.engine.jax_engine import JaxEngine
 from tunix_mcjax.trainer import BATCH_KEYS, Trainer, qwen3_policy
 
 GIB = plan.GIB
 RECIPE = "recipes/cpu/qwen3_0p6b.yml"
-V7X_8_CHIPS = plan.Cluster(hosts=2, devices_per_host=8, device_bytes=int(94.7 * GIB))
+V7X_DEVICE = int(94.7 * GIB)
+V7X_8_CHIPS = plan.Cluster(hosts=2, devices_per_host=8, device_bytes=V7X_DEVICE)
+# Qwen3-0.6B: 28 layers, 8 KV heads of 128; one page of 16 tokens, keys and values, bf16.
+QWEN3_0P6B_PAGE = 28 * 16 * 2 * 8 * 128 * 2
+QWEN3_0P6B_PARAMS = 596_049_920
 
 
 def test_param_counts_are_the_models():
@@ -133,23 +140,181 @@ def test_train_step_scratch_matches_xla(dtype):
     assert planned == pytest.approx(measured, rel=0.15)
 
 
-def _profile_config(name: str, **overrides):
-    keys = PROFILES[name].recipe("unused.jsonl")
-    for key in ("hf_train_files", "dataset_name", "data_repeat_period"):
-        keys.pop(key)
-    return load_config(None, {**keys, **overrides})
-
-
 def test_paper_profiles_on_eight_v7x_chips():
     """Qwen3-0.6B on 8 chips (2 hosts x 8 devices of 94.7 GiB): without gradient accumulation
     no profile's train step fits (each device trains 128 rows at once); with it GSM8K fits."""
     for name in ("gsm8k", "numina", "swe"):
-        cfg = _profile_config(name)
+        cfg = profile_config(name)
         p = plan.plan(cfg, V7X_8_CHIPS, plan.model_config_for(cfg))
         assert p.layout.rows_per_device == 128 and not p.fits
         assert p.phases["train"] > V7X_8_CHIPS.device_bytes
-    gsm8k = _profile_config("gsm8k", train_micro_batch_size=4)
+    gsm8k = profile_config("gsm8k", train_micro_batch_size=4)
     assert plan.plan(gsm8k, V7X_8_CHIPS, plan.model_config_for(gsm8k)).fits
+
+
+def test_page_pool_is_the_engines_budget_or_every_row_at_the_caps():
+    """SWE (15,360 + 1,024 tokens): the pool is 0.72 of a device less the engine's fp32 weights,
+    in pages of 16 tokens; GSM8K's (512 + 2,048) is capped at 64 rows at the caps."""
+    swe = profile_config("swe", train_micro_batch_size=1)
+    p = plan.plan(swe, V7X_8_CHIPS, plan.model_config_for(swe))
+    budget = int(0.72 * V7X_DEVICE) - 4 * QWEN3_0P6B_PARAMS
+    assert p.engine.page_bytes == QWEN3_0P6B_PAGE
+    assert p.engine.pool_pages == budget // QWEN3_0P6B_PAGE == 38_598
+    assert p.items["KV page pool"] == 38_598 * QWEN3_0P6B_PAGE
+    gsm8k = profile_config("gsm8k", train_micro_batch_size=1)
+    g = plan.plan(gsm8k, V7X_8_CHIPS, plan.model_config_for(gsm8k))
+    assert g.engine.pool_pages == 64 * (2560 // 16 + 1) == 10_304
+    assert not g.engine.pool_limited_by_budget and p.engine.pool_limited_by_budget
+
+
+def test_page_pool_counts_in_every_phase():
+    """The pool persists across steps: each phase holds it beside the trainer state."""
+    cfg = profile_config("gsm8k", train_micro_batch_size=1)
+    p = plan.plan(cfg, V7X_8_CHIPS, plan.model_config_for(cfg))
+    it = p.items
+    state = it["params"] + it["optimizer state"] + it["engine weights"] + it["KV page pool"]
+    assert it["engine weights"] == 4 * QWEN3_0P6B_PARAMS
+    assert p.phases["publish"] == state + 4 * 151_936 * 1024  # the embedding, gathered
+    train = ("gradients", "gathered params + grads", "activations", "logits")
+    assert p.phases["train"] == state + sum(it[k] for k in train)
+    assert p.phases["generate"] == state + it["prompt logits"] + max(
+        it["prefill chunk scratch"], it["decode scratch"])
+
+
+def test_group_sharing_pages_and_chunked_prefill_at_the_caps():
+    """SWE on 8 chips: a replica's 128 requests are 16 prompts of 960 pages, shared by their 8
+    generations; 64 rows own 64 pages each. One prefill row of 2,048 tokens per iteration."""
+    cfg = profile_config("swe", train_micro_batch_size=1)
+    p = plan.plan(cfg, V7X_8_CHIPS, plan.model_config_for(cfg))
+    e = p.engine
+    assert (e.requests, e.distinct_prompts, e.num_prompts, e.num_slots) == (128, 16, 16, 64)
+    assert e.step_pages == 16 * 15_360 // 16 + 64 * (16_384 - 15_360) // 16 == 19_456
+    assert 16 * 960 * QWEN3_0P6B_PAGE / GIB == pytest.approx(26.25)
+    assert (e.chunk, e.prefill_rows) == (2048, 1) and not p.preempts
+    # One layer of the chunk: hidden state, q, k and v of 2,048 tokens, the 960 prompt pages
+    # gathered then split into keys and values, and three [2048, 15360] score buffers per head.
+    tokens, keys = 2048, 15_360
+    attend = tokens * (1024 + 2048 + 2 * 1024) * 2 + 2 * keys * 2 * 1024 * 2 \
+        + 3 * 16 * tokens * keys * 2
+    assert p.items["prefill chunk scratch"] == attend + 4 * 151_936
+    rows, table = 64, 16_384
+    decode = max(rows * (1024 + 2048 + 2 * 1024) * 2 + 2 * rows * table * 2 * 1024 * 2
+                 + 3 * rows * 16 * table * 2, rows * (1024 + 3 * 3072) * 2)
+    assert p.items["decode scratch"] == decode + rows * 4 * 4 * 151_936
+    assert p.items["prompt logits"] == 16 * 4 * 151_936
+    # GSM8K: 8 distinct prompts of 512 tokens, prefilled 4 rows at a time (2,048 tokens).
+    gsm8k = profile_config("gsm8k", train_micro_batch_size=1)
+    g = plan.plan(gsm8k, V7X_8_CHIPS, plan.model_config_for(gsm8k)).engine
+    assert (g.distinct_prompts, g.chunk, g.prefill_rows) == (8, 512, 4)
+    unshared = plan.plan(gsm8k.replace(enable_prefix_caching=False), V7X_8_CHIPS,
+                         plan.model_config_for(gsm8k)).engine
+    assert unshared.distinct_prompts == unshared.requests == 128
+
+
+def test_paper_table3_cells_at_default_keys():
+    """At train_micro_batch_size=1 GSM8K fits every chip count. NuminaMath and SWE do not: the
+    pool takes its whole budget (66 GiB) in every phase, and beside it the train step saves one
+    packed row's activations (12,288 or 16,384 tokens: 42.7 or 56.9 GiB). remat fits them."""
+    for name, chips in (("gsm8k", 8), ("gsm8k", 64), ("numina", 8), ("numina", 16),
+                        ("swe", 8), ("swe", 16), ("swe", 32)):
+        cfg = profile_config(name, train_micro_batch_size=1)
+        mc = plan.model_config_for(cfg)
+        p = plan.plan(cfg, v7x(chips), mc)
+        assert p.fits == (name == "gsm8k"), (name, chips)
+        assert p.engine.pool_holds_one_sequence and not p.preempts
+        if name != "gsm8k":
+            assert p.peak == p.phases["train"]
+            assert p.phases["train"] - p.items["activations"] < V7X_DEVICE
+            assert plan.plan(cfg.replace(remat_policy="full"), v7x(chips), mc).fits
+
+
+def test_small_pools_preempt_and_too_small_pools_do_not_fit():
+    """A pool below a step's pages preempts (a note); below one sequence and its prompt the
+    engine refuses it, so the plan does not fit however much memory is left."""
+    numina = profile_config("numina", train_micro_batch_size=1, hbm_utilization_vllm=0.4)
+    p = plan.plan(numina, V7X_8_CHIPS, plan.model_config_for(numina))
+    assert p.preempts and p.fits and "preempts rows" in plan.table(p)
+    swe = profile_config("swe", train_micro_batch_size=1, hbm_utilization_vllm=0.04)
+    tiny = plan.plan(swe, V7X_8_CHIPS, plan.model_config_for(swe))
+    least = 15_360 // 16 + (16_384 // 16 + 1)
+    assert tiny.engine.least_pages == least and tiny.engine.pool_pages < least
+    assert tiny.peak < V7X_DEVICE and not tiny.fits
+    assert "raise hbm_utilization_vllm" in plan.table(tiny)
+
+
+def _pool_config(*extra: str):
+    return load_config(None, ["base_num_decoder_layers=2", "base_emb_dim=64",
+                              "base_num_query_heads=4", "base_num_kv_heads=2", "head_dim=16",
+                              "vocab_size=64", "max_prefill_predict_length=40",
+                              "max_target_length=104", "rollout_max_batch_size=12", *extra])
+
+
+def test_pool_pages_are_the_engines():
+    """The plan's pool is the one JaxEngine allocates on this machine: capped at the rows at the
+    caps (16 rows of 40 + 64 tokens), or at a small `hbm_utilization_vllm` (60 pages' worth)."""
+    device = jax.devices()[0]
+    device_bytes = memory.device_memory_bytes(device, 1)
+    cluster = plan.Cluster(1, 1, device_bytes, cpu=True)
+    mc = models.model_config(_pool_config(), 64)
+    first = plan.plan(_pool_config(), cluster, mc)
+    assert first.engine.pool_pages == 16 * (104 // 16 + 1 + 1)
+    util = (first.items["engine weights"] + 60.5 * first.engine.page_bytes) / device_bytes
+    for extra in ([], [f"hbm_utilization_vllm={util}"], ["vllm_block_size=8"]):
+        cfg = _pool_config(*extra)
+        p = plan.plan(cfg, cluster, mc)
+        engine = JaxEngine(models.model_config(cfg, 64, for_sampling=True), [device], pad_id=0,
+                           eos_ids=(1,), max_prompt_length=40, max_new_tokens=64,
+                           max_batch_size=12, page_size=cfg.vllm_block_size or 16,
+                           hbm_utilization=cfg.hbm_utilization_vllm)
+        assert p.engine.pool_pages == engine.num_pages
+        assert p.engine.page_bytes == engine._page_bytes(1) == 2 * (cfg.vllm_block_size or 16) \
+            * 2 * 2 * 16 * 4
+        assert p.engine.pool_limited_by_budget == bool(extra and "hbm" in extra[0])
+    assert p.engine.pool_pages == 16 * (104 // 8 + 1)
+
+
+def test_dense_engine_keeps_its_per_call_cache():
+    """rollout_engine=maxtext decodes densely: a KV row per slot at the caps, in generate only."""
+    cfg = load_config(RECIPE, ["rollout_engine=maxtext"])
+    p = plan.plan(cfg, plan.Cluster(2, 1, 24 * GIB), plan.model_config_for(cfg))
+    assert p.engine is None and "KV page pool" not in p.items
+    slots, tokens = 2, 96  # 2 requests per host, each at the caps
+    assert p.items["KV cache"] == slots * tokens * 28 * 2 * 1024 * 2
+    state = p.items["params"] + p.items["optimizer state"] + p.items["engine weights"]
+    assert p.phases["generate"] == state + p.items["KV cache"] + p.items["prompt store"] \
+        + p.items["prefill scratch"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("caps", [(512, 16, 2), (16, 768, 16)])
+def test_engine_program_scratch_matches_xla(caps):
+    """Shapes the scratch model was not fitted on, prefill-bound and decode-bound: the planner's
+    generate scratch (a prefill chunk or a decode step, and the prompt logits) against XLA's
+    temporary buffers for the engine's compiled program, and the donated pool's bytes."""
+    prompt_len, max_new, generations = caps
+    dims = ["base_num_decoder_layers=1", "base_emb_dim=192", "base_mlp_dim=384",
+            "base_num_query_heads=8", "base_num_kv_heads=2", "head_dim=32", "vocab_size=500",
+            "dtype=bfloat16"]
+    cfg = load_config(None, [*dims, f"max_prefill_predict_length={prompt_len}",
+                             f"max_target_length={prompt_len + max_new}", "batch_size=2",
+                             f"num_generations={generations}",
+                             f"rollout_max_batch_size={2 * generations}"])
+    device = jax.devices()[0]
+    p = plan.plan(cfg, plan.Cluster(1, 1, memory.device_memory_bytes(device, 1)),
+                  models.model_config(cfg, 500))
+    model = models.create_model(models.model_config(cfg, 500), 0)
+    engine = JaxEngine(models.model_config(cfg, 500, for_sampling=True), [device], pad_id=0,
+                       eos_ids=(1,), max_prompt_length=prompt_len, max_new_tokens=max_new,
+                       max_batch_size=2 * generations)
+    engine.load_weights(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(2, 500, prompt_len)) for _ in range(2)]
+    engine.generate([q for q in prompts for _ in range(generations)],
+                    SamplingParams(max_new_tokens=max_new, ignore_eos=True), seed=0)
+    (program,) = engine._programs.values()
+    analysis = program.memory_analysis()
+    assert analysis.alias_size_in_bytes == p.items["KV page pool"]
+    assert plan.generate_scratch(p.items) == pytest.approx(analysis.temp_size_in_bytes, rel=0.15)
 
 
 def test_cli_reports_fit_and_refuses_bad_topology(capsys):

@@ -10,11 +10,15 @@ the trainer calls (`memory.gather_params_once`, `memory.num_micro_batches`,
 budgets: every sequence at `max_target_length`, one sequence per packed row.
 
 A step's memory peaks in one of three phases, each on top of the trainer state (params and
-Adam moments, FSDP-sharded over all devices) and the engine's copy of the weights:
-generate (KV cache, prompt store, prefill), train (gradients, the gathered replica when params
-are gathered once, saved activations and logits scratch) and publish (the
-replicated gather of the new weights). On CPU, where a device's memory is the host's RAM, the
-host's own costs outside XLA's buffers are added too (`cpu_host_items`).
+Adam moments, FSDP-sharded over all devices) and the engine's persistent state (its copy of the
+weights and, for the paged jax engine, its KV page pool, allocated once and kept across steps):
+generate (a prefill chunk or a decode step, whichever is larger, and the prompts' last logits;
+the dense maxtext engine instead makes a KV cache, prompt store and prefill per call), train
+(gradients, the gathered replica when params are gathered once, saved activations and logits
+scratch) and publish (the replicated gather of the new weights). The pool is sized as the
+engine sizes it (`engine.pages`), and a plan that the engine would refuse (a pool that cannot
+hold one sequence at the caps) does not fit. On CPU, where a device's memory is the host's
+RAM, the host's own costs outside XLA's buffers are added too (`cpu_host_items`).
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ import sys
 from tunix_mcjax import memory
 from tunix_mcjax.attention import KEY_BLOCK
 from tunix_mcjax.config import Config, ConfigError, load_config
+from tunix_mcjax.engine import jax_engine, pages
+from tunix_mcjax.engine.jax_engine import pow2_at_least
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -53,6 +59,8 @@ class ModelShape:
     embed: int  # D
     q_width: int  # query heads x head dim
     kv_width: int  # kv heads x head dim
+    kv_heads: int
+    head_dim: int
     query_heads: int
     mlp: int  # F
     vocab: int
@@ -82,16 +90,12 @@ def model_shape(mc, fsdp: int) -> ModelShape:
         sharded += math.prod(-(-d // fsdp) if "fsdp" in _axes(a) else d
                              for d, a in zip(leaf.shape, spec[:len(leaf.shape)], strict=True))
     return ModelShape(mc.num_layers, mc.embed_dim, mc.num_heads * mc.head_dim,
-                      mc.num_kv_heads * mc.head_dim, mc.num_heads, mc.hidden_dim, mc.vocab_size,
-                      total, layer0, sharded, largest)
+                      mc.num_kv_heads * mc.head_dim, mc.num_kv_heads, mc.head_dim, mc.num_heads,
+                      mc.hidden_dim, mc.vocab_size, total, layer0, sharded, largest)
 
 
 def _axes(axis) -> tuple:
     return axis if isinstance(axis, tuple) else (axis,)
-
-
-def pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 # --- the trainer --------------------------------------------------------------------------
@@ -175,15 +179,173 @@ def train_layout(cfg: Config, cluster: Cluster, m: ModelShape) -> TrainLayout:
 # --- the engine ---------------------------------------------------------------------------
 
 
-def engine_items(cfg: Config, cluster: Cluster, m: ModelShape) -> dict[str, int]:
-    """Per device: weights, and during generate the KV cache, prompt store and prefill scratch
-    of one replica (tensor parallelism splits all of them)."""
+@dataclasses.dataclass(frozen=True)
+class PagedShape:
+    """One replica's paged engine (`rollout_engine=jax`) for a full share at the caps: the pool
+    it allocates, the program it compiles, and the pages that share needs."""
+
+    requests: int  # requests of the replica's share (of one wave without continuous batching)
+    distinct_prompts: int  # distinct prompts among them (each request its own without sharing)
+    num_requests: int  # N: requests, padded to a power of two
+    num_prompts: int  # U: distinct prompts, padded to a power of two
+    num_slots: int  # B: rows decoded at once
+    prompt_len: int  # the prompt bucket at the cap
+    max_new: int
+    page_size: int
+    page_bytes: int  # one page on one device
+    pool_pages: int
+    pool_limited_by_budget: bool  # False: capped at what every row at the caps could use
+    least_pages: int  # one sequence at the caps and its prompt (the engine refuses less)
+    chunk: int  # prefill tokens per row
+    prefill_rows: int  # prefill rows per loop iteration
+
+    @property
+    def prompt_pages(self) -> int:
+        return pages.cdiv(self.prompt_len, self.page_size)
+
+    @property
+    def private_pages(self) -> int:
+        """Pages a row owns at the caps: its table past the prompt's full pages."""
+        return pages.table_pages(self.prompt_len, self.max_new, self.page_size) \
+            - self.prompt_len // self.page_size
+
+    @property
+    def step_pages(self) -> int:
+        """Pages the share needs at the caps with group sharing, at most: every distinct prompt
+        resident, and every row at the caps on its private pages. More than the pool: the
+        loop preempts rows (and recomputes them), it does not fail."""
+        rows = min(self.num_slots, self.requests)
+        return self.distinct_prompts * self.prompt_pages + rows * self.private_pages
+
+    @property
+    def pool_holds_one_sequence(self) -> bool:
+        return self.pool_pages >= self.least_pages
+
+
+def prompt_bucket(longest: int, cap: int) -> int:
+    """The prompt bucket the engine pads a share to (`JaxEngine._buckets`)."""
+    return min(max(jax_engine.MIN_PROMPT_BUCKET, pow2_at_least(longest)), cap)
+
+
+def prefill_chunk(prompt_len: int, batched_tokens: int) -> tuple[int, int]:
+    """(tokens per prefill row, rows per loop iteration), as `JaxEngine._shape` chooses them:
+    the largest power of two <= `batched_tokens`, at most the prompt bucket."""
+    chunk = min(prompt_len, 1 << (batched_tokens.bit_length() - 1))
+    return chunk, batched_tokens // chunk
+
+
+def least_pool_pages(prompt_len: int, max_new: int, page_size: int) -> int:
+    """The fewest pages a pool may hold (`JaxEngine._check_pool`): one sequence at the caps, and
+    its prompt's pages beside it."""
+    return pages.cdiv(prompt_len, page_size) + pages.sequence_pages(prompt_len, max_new,
+                                                                     page_size)
+
+
+def share_prompts(requests: int, group: int) -> int:
+    """Distinct prompts in `requests` consecutive requests of groups of `group`, at most (a share
+    may start and end inside a group)."""
+    return -(-requests // group) + (requests % group != 0)
+
+
+def engine_replicas(cfg: Config, cluster: Cluster) -> int:
+    """Rollout replicas per host (`rollout_data_parallelism`; -1: as many as the devices hold)."""
+    if cfg.rollout_data_parallelism != -1:
+        return cfg.rollout_data_parallelism
+    return cluster.devices_per_host // cfg.rollout_tensor_parallelism
+
+
+def engine_weight_bytes(cfg: Config, m: ModelShape) -> int:
+    """The engine's copy of the weights on one device (tensor parallelism splits it)."""
+    weight_dtype = cfg.rollout_weight_dtype or cfg.weight_dtype
+    return m.param_count * DTYPE_BYTES[weight_dtype] // cfg.rollout_tensor_parallelism
+
+
+def paged_shape(cfg: Config, cluster: Cluster, m: ModelShape) -> PagedShape:
+    """The jax engine's pool and program for a replica's share, from its own arithmetic."""
+    tp, group = cfg.rollout_tensor_parallelism, cfg.num_generations
+    page_size = cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE
+    batched = cfg.max_num_batched_tokens or jax_engine.DEFAULT_MAX_NUM_BATCHED_TOKENS
+    prompt_cap, max_new = cfg.max_prefill_predict_length, cfg.max_completion_length
+    lockstep = cfg.rl_runtime == "single"
+    requests = -(-cfg.global_rows // cluster.hosts // engine_replicas(cfg, cluster))
+    if not (cfg.rollout_continuous_batching or lockstep):
+        requests = min(requests, cfg.rollout_max_batch_size)  # the share runs in waves
+    distinct = share_prompts(requests, group) if cfg.enable_prefix_caching else requests
+    n, u = pow2_at_least(requests), pow2_at_least(distinct)
+    slots = n if lockstep else min(n, pow2_at_least(cfg.rollout_max_batch_size))
+    prompt_len = prompt_bucket(prompt_cap, prompt_cap)
+    one_page = pages.page_bytes(m.layers, m.kv_heads, m.head_dim, page_size,
+                                DTYPE_BYTES[cfg.dtype], tp)
+    needed = pages.pages_needed(pow2_at_least(cfg.rollout_max_batch_size), prompt_cap,
+                                max_new, page_size)
+    budget = int(cfg.hbm_utilization_vllm * cluster.device_bytes) - engine_weight_bytes(cfg, m)
+    pool = pages.pool_pages(budget, one_page, needed)
+    chunk, rows_per_budget = prefill_chunk(prompt_len, batched)
+    return PagedShape(
+        requests=requests, distinct_prompts=distinct, num_requests=n, num_prompts=u,
+        num_slots=slots, prompt_len=prompt_len, max_new=max_new, page_size=page_size,
+        page_bytes=one_page, pool_pages=pool, pool_limited_by_budget=pool < needed,
+        least_pages=least_pool_pages(prompt_cap, max_new, page_size), chunk=chunk,
+        prefill_rows=max(1, min(u, rows_per_budget)))
+
+
+# Attention over gathered pages (`paged_attention.xla_attention`, the CPU and GPU path), as XLA's
+# CPU buffer assignment lays it out for the engine's compiled program: the gathered pages, then
+# the keys and values split from them (two copies of the gathered bytes), and three [queries,
+# keys] buffers per head in the compute dtype (scores, masked scores, probabilities; the fp32
+# softmax fuses into them). Checked against the program's memory analysis (`tests/test_plan.py`).
+# On TPU the Pallas kernel reads pages in place, so these are upper bounds there.
+GATHER_COPIES = 2
+SCORE_COPIES = 3
+# fp32 [rows, vocab] copies a decode step makes: the logits and the sampler's sorted top-p.
+SAMPLER_LOGIT_COPIES = 4
+
+
+def attention_bytes(m: ModelShape, c: int, rows: int, queries: int, keys: int) -> int:
+    """One layer's attention over `keys` gathered positions for `rows` x `queries` (all heads;
+    tensor parallelism splits them)."""
+    gathered = GATHER_COPIES * rows * keys * 2 * m.kv_width * c
+    return gathered + SCORE_COPIES * rows * m.query_heads * queries * keys * c
+
+
+def layer_pass_bytes(m: ModelShape, c: int, rows: int, tokens: int, keys: int) -> int:
+    """Scratch of `rows` x `tokens` through one decoder layer: the larger of its attention
+    (hidden state, q, k, v and the attention above) and its MLP (hidden state, gate, up and
+    their product)."""
+    attend = rows * tokens * (m.embed + m.q_width + 2 * m.kv_width) * c \
+        + attention_bytes(m, c, rows, tokens, keys)
+    return max(attend, rows * tokens * (m.embed + 3 * m.mlp) * c)
+
+
+def paged_engine_items(cfg: Config, shape: PagedShape, m: ModelShape) -> dict[str, int]:
+    """Per device: the engine's weights and page pool (both persistent, in every phase) and
+    what its generation program adds: one prefill chunk (R rows x C tokens through a layer,
+    attending to the prompt's pages), one decode step (B rows attending to their tables at the
+    caps, and the sampler's logits) and the prompts' last logits [U, V] fp32."""
+    tp, c = cfg.rollout_tensor_parallelism, DTYPE_BYTES[cfg.dtype]
+    prompt_keys = shape.prompt_pages * shape.page_size
+    table_keys = pages.table_pages(shape.prompt_len, shape.max_new, shape.page_size) \
+        * shape.page_size
+    prefill = layer_pass_bytes(m, c, shape.prefill_rows, shape.chunk, prompt_keys) // tp
+    decode = layer_pass_bytes(m, c, shape.num_slots, 1, table_keys) // tp
+    return {
+        "engine weights": engine_weight_bytes(cfg, m),
+        "KV page pool": shape.pool_pages * shape.page_bytes,
+        "prefill chunk scratch": prefill + shape.prefill_rows * 4 * m.vocab,
+        "decode scratch": decode + shape.num_slots * SAMPLER_LOGIT_COPIES * 4 * m.vocab,
+        "prompt logits": shape.num_prompts * 4 * m.vocab,
+    }
+
+
+def dense_engine_items(cfg: Config, cluster: Cluster, m: ModelShape) -> dict[str, int]:
+    """Per device, for `rollout_engine=maxtext` (`engine.dense_loop`, until MaxText's families
+    decode over pages): weights, and during generate the dense KV cache (a row per slot at the
+    caps), prompt store and prefill scratch of one replica (tensor parallelism splits them)."""
     tp = cfg.rollout_tensor_parallelism
     c = DTYPE_BYTES[cfg.dtype]
-    weight_dtype = cfg.rollout_weight_dtype or cfg.weight_dtype
     replicas = cluster.devices_per_host // tp
     requests = -(-cfg.global_rows // cluster.hosts // replicas)
-    prompts = -(-requests // cfg.num_generations) + (requests % cfg.num_generations != 0)
+    prompts = share_prompts(requests, cfg.num_generations)
     slots = min(pow2_at_least(requests), pow2_at_least(cfg.rollout_max_batch_size))
     if not cfg.rollout_continuous_batching:
         slots = min(pow2_at_least(requests), cfg.rollout_max_batch_size)
@@ -194,11 +356,21 @@ def engine_items(cfg: Config, cluster: Cluster, m: ModelShape) -> dict[str, int]
         (m.embed + m.q_width + 2 * m.kv_width + 3 * m.mlp) * c
         + 2 * 4 * m.query_heads * prompt_len)  # dense causal scores and probabilities, fp32
     return {
-        "engine weights": m.param_count * DTYPE_BYTES[weight_dtype] // tp,
+        "engine weights": engine_weight_bytes(cfg, m),
         "KV cache": slots * (prompt_len + cfg.max_completion_length) * kv_per_token // tp,
         "prompt store": distinct * (prompt_len * kv_per_token // tp + 4 * m.vocab),
         "prefill scratch": prefill_layer // tp + slots * 4 * 4 * m.vocab,
     }
+
+
+def generate_scratch(items: dict[str, int]) -> int:
+    """What generate adds to the persistent state. Paged: the prompt logits (loop state) and the
+    larger of a prefill chunk and a decode step, which take turns in one loop iteration. Dense:
+    the cache, the prompt store and the prefill, all made for the call."""
+    if "KV page pool" in items:
+        return items["prompt logits"] + max(items["prefill chunk scratch"],
+                                            items["decode scratch"])
+    return items["KV cache"] + items["prompt store"] + items["prefill scratch"]
 
 
 def cpu_host_items(cfg: Config, cluster: Cluster, m: ModelShape) -> dict[str, int]:
@@ -220,6 +392,7 @@ class Plan:
     cluster: Cluster
     model: ModelShape
     layout: TrainLayout
+    engine: PagedShape | None  # None: the dense maxtext engine
     items: dict[str, int]  # per device
     phases: dict[str, int]  # per device
     activations: dict[str, int]  # what-ifs: saved activations per device
@@ -230,7 +403,23 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        return self.peak <= self.cluster.device_bytes
+        pool_ok = self.engine is None or self.engine.pool_holds_one_sequence
+        return self.peak <= self.cluster.device_bytes and pool_ok
+
+    @property
+    def preempts(self) -> bool:
+        """Whether a step at the caps needs more pages than the pool holds (rows wait, and
+        are recomputed: slower, not a failure)."""
+        return self.engine is not None and self.engine.step_pages > self.engine.pool_pages
+
+
+def engine_items(cfg: Config, cluster: Cluster, m: ModelShape
+                 ) -> tuple[PagedShape | None, dict[str, int]]:
+    """The engine's shape (None when dense) and its items per device."""
+    if cfg.rollout_engine == "maxtext":
+        return None, dense_engine_items(cfg, cluster, m)
+    shape = paged_shape(cfg, cluster, m)
+    return shape, paged_engine_items(cfg, shape, m)
 
 
 def plan(cfg: Config, cluster: Cluster, mc) -> Plan:
@@ -245,6 +434,7 @@ def plan(cfg: Config, cluster: Cluster, mc) -> Plan:
     replica = m.param_count if layout.gather_once else m.layer_param_count + m.largest_leaf
     replica *= cluster.num_devices > 1
     accumulating = layout.micro_batches > 1
+    engine, engine_bytes = engine_items(cfg, cluster, m)
     items = {
         "params": sharded,
         "optimizer state": 2 * sharded,
@@ -254,17 +444,17 @@ def plan(cfg: Config, cluster: Cluster, mc) -> Plan:
         "activations": tokens * activation_bytes_per_token(m, c, row_len,
                                                            remat=cfg.remat_policy == "full"),
         "logits": logits_bytes(m, tokens, cfg.train_logits_chunk_tokens),
-        **engine_items(cfg, cluster, m),
+        **engine_bytes,
         **cpu_host_items(cfg, cluster, m),
     }
+    # The page pool is allocated once and lives across steps: it is state, in every phase.
     state = items["params"] + items["optimizer state"] + items["engine weights"] \
-        + items["process baseline"]
+        + items.get("KV page pool", 0) + items["process baseline"]
     train_keys = ("gradients", "gathered params + grads", "reference params", "activations",
                   "logits", "bf16 matmul fp32 copy")
-    generate_keys = ("KV cache", "prompt store", "prefill scratch", "bf16 matmul fp32 copy")
     publish = m.param_count * w if cfg.rl_publish_weights_single_call else m.largest_leaf * w
     phases = {
-        "generate": state + sum(items[k] for k in generate_keys),
+        "generate": state + generate_scratch(engine_bytes) + items["bf16 matmul fp32 copy"],
         "train": state + sum(items[k] for k in train_keys),
         "publish": state + publish,
     }
@@ -274,7 +464,7 @@ def plan(cfg: Config, cluster: Cluster, mc) -> Plan:
         for name, n in (("one batch", whole), ("micro-batch", tokens))
         for mode in ("no remat", "remat")
     }
-    return Plan(cfg, cluster, m, layout, items, phases, activations)
+    return Plan(cfg, cluster, m, layout, engine, items, phases, activations)
 
 
 def largest_micro_batch_that_fits(cfg: Config, cluster: Cluster, mc) -> int | None:
@@ -290,6 +480,36 @@ def gib(n: int) -> str:
     return f"{n / GIB:8.2f}"
 
 
+def engine_lines(p: Plan) -> list[str]:
+    """The paged engine's pool against what a step at the caps needs (nothing when dense)."""
+    e = p.engine
+    if e is None:
+        return [f"engine: {p.cfg.rollout_engine}, dense KV cache (a row per slot at the caps)"]
+    limit = (f"hbm_utilization_vllm={p.cfg.hbm_utilization_vllm} of the device less the "
+             "engine's weights" if e.pool_limited_by_budget else
+             "every row at the caps (the most it can use)")
+    lines = [
+        f"engine: {p.cfg.rollout_engine}, paged; per replica {e.requests} requests of "
+        f"{e.distinct_prompts} distinct prompts, {e.num_slots} rows, prefill {e.prefill_rows} "
+        f"x {e.chunk} tokens per iteration",
+        f"KV page pool: {e.pool_pages} pages of {e.page_size} tokens "
+        f"({e.page_bytes / 2**20:.2f} MiB each per device), sized by {limit}",
+        f"a step at the caps needs {e.step_pages} pages: {e.distinct_prompts} prompts x "
+        f"{e.prompt_pages} shared + {min(e.num_slots, e.requests)} rows x {e.private_pages} "
+        f"own ({e.distinct_prompts * e.prompt_pages * e.page_bytes / GIB:.2f} GiB of prompt "
+        "pages)",
+    ]
+    if not e.pool_holds_one_sequence:
+        lines.append(f"the pool cannot hold one sequence at the caps with its prompt "
+                     f"({e.least_pages} pages): the engine refuses it; raise "
+                     "hbm_utilization_vllm, or lower max_prefill_predict_length / "
+                     "max_target_length")
+    elif p.preempts:
+        lines.append(f"note: {e.step_pages} > {e.pool_pages} pages, so such a step preempts "
+                     "rows (they wait and are recomputed): slower, not a failure")
+    return lines
+
+
 def table(p: Plan) -> str:
     cfg, cl, lay = p.cfg, p.cluster, p.layout
     lines = [
@@ -302,6 +522,7 @@ def table(p: Plan) -> str:
         f"train: {lay.rows_per_device} rows x {cfg.max_target_length} tokens per device, "
         f"{lay.micro_batches} micro-batch(es) of {lay.micro_rows} rows, "
         f"remat_policy={cfg.remat_policy}",
+        *engine_lines(p),
         "",
         f"{'per device':<28}{'GiB':>8}",
     ]

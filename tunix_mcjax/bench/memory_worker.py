@@ -4,7 +4,8 @@ Started by `bench.memory_check` through the launcher. Runs the colocated loop, t
 `<run_dir>/memory_host<h>.json`: the process's RSS once the libraries are loaded and JAX is
 initialised (the runtime's own baseline), its lifetime peak RSS, the peak RSS of each step
 (sampled every 10 ms; step 0 includes XLA's compiles, which run in host memory), and how far
-the engine's weights are from the trainer's after the last publish (cast to the engine's dtype).
+the engine's weights are from the trainer's after the last publish (cast to the engine's dtype),
+and the pages of the engine's KV pool (paged engines).
 """
 
 from __future__ import annotations
@@ -98,7 +99,8 @@ def main() -> None:
     out = {"host": topo.host, "hosts": topo.num_hosts,
            "devices_per_host": len(topo.local_devices), "baseline_rss": baseline,
            "peak_rss": peak_rss_bytes(), "step_peak_rss": steps,
-           "steady_peak_rss": max(steps[1:] or steps), **engine_vs_trainer(rt)}
+           "steady_peak_rss": max(steps[1:] or steps),
+           "engine_pool_pages": getattr(rt.engine, "num_pages", None), **engine_vs_trainer(rt)}
     if summary is not None:
         out["summary"] = summary
     (cfg.run_dir / f"memory_host{topo.host}.json").write_text(json.dumps(out, indent=2) + "\n")

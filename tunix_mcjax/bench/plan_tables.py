@@ -1,4 +1,5 @@
-"""The planner's tables for the README: Qwen3-0.6B to 8B on the paper's TPU v7x slices.
+"""The planner's tables for the docs: Qwen3-0.6B to 8B on the paper's TPU v7x slices, and the
+cells of the paper's Table 3 (Qwen3-0.6B).
 
     python -m tunix_mcjax.bench.plan_tables > bench_results/plan_tables.md
 
@@ -14,6 +15,8 @@ from tunix_mcjax.config import Config, load_config
 
 V7X_DEVICE_BYTES = int(94.7 * plan.GIB)
 MODELS = ("qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b")
+# The paper's Table 3: chips per profile (SWE at 8 chips did not fit the paper's trainer).
+TABLE3_CHIPS = {"gsm8k": (8, 16, 32, 64), "numina": (8, 16, 32, 64), "swe": (8, 16, 32, 64)}
 
 
 def v7x(chips: int) -> plan.Cluster:
@@ -37,7 +40,8 @@ def row(cfg: Config, cluster: plan.Cluster) -> list[str]:
     whole = plan.plan(cfg, cluster, mc)
     split = plan.plan(cfg.replace(train_micro_batch_size=1), cluster, mc)
     best = plan.largest_micro_batch_that_fits(cfg, cluster, mc)
-    state = whole.items["params"] + whole.items["optimizer state"] + whole.items["engine weights"]
+    state = whole.items["params"] + whole.items["optimizer state"] \
+        + whole.items["engine weights"] + whole.items.get("KV page pool", 0)
     return [gib(state), "yes" if whole.layout.gather_once else "no",
             gib(whole.phases["train"]), gib(split.phases["train"]),
             gib(whole.phases["generate"]), "-" if best is None else str(best)]
@@ -47,8 +51,29 @@ HEADER = ("| {first} | state | gather once | train, no accumulation | train, mic
           "| generate | largest micro-batch that fits |\n|---|---|---|---|---|---|---|")
 
 
+TABLE3_HEADER = ("| profile | chips | generate | train | publish | KV page pool, pages (GiB) "
+                 "| pages a step needs | preempts | activations | fits "
+                 "| peak with remat_policy=full |\n|---|---|---|---|---|---|---|---|---|---|---|")
+
+
+def table3_row(name: str, chips: int) -> str:
+    """One Table 3 cell at default keys and `train_micro_batch_size=1`: the phases, the pool
+    against a step's pages, the saved activations, and the peak with remat as a what-if."""
+    cfg = profile_config(name, train_micro_batch_size=1)
+    mc = plan.model_config_for(cfg)
+    p = plan.plan(cfg, v7x(chips), mc)
+    remat = plan.plan(cfg.replace(remat_policy="full"), v7x(chips), mc)
+    e = p.engine
+    cells = [name, str(chips), *(gib(p.phases[k]) for k in ("generate", "train", "publish")),
+             f"{e.pool_pages} ({gib(p.items['KV page pool'])})", str(e.step_pages),
+             "yes" if p.preempts else "no", gib(p.items["activations"]),
+             "yes" if p.fits else "no", f"{gib(remat.peak)} ({'fits' if remat.fits else 'no'})"]
+    return "| " + " | ".join(cells) + " |"
+
+
 def main() -> None:
-    print("Per device, GiB. state: params + Adam moments (FSDP) + the engine's weights.\n")
+    print("Per device, GiB. state: params + Adam moments (FSDP) + the engine's weights and KV "
+          "page pool.\n")
     for chips in (8, 64):
         cluster = v7x(chips)
         print(f"GSM8K profile (128 prompts x 16, 512 + 2048 tokens), {chips} v7x chips "
@@ -65,6 +90,12 @@ def main() -> None:
     for name in ("numina", "swe"):
         cells = row(profile_config(name, rollout_max_batch_size=32), v7x(8))
         print(f"| {name}, rollout_max_batch_size=32 | " + " | ".join(cells) + " |")
+    print("\nQwen3-0.6B, the cells of the paper's Table 3: default keys, train_micro_batch_size=1"
+          " (per device, GiB; v7x devices of 94.7 GiB):\n")
+    print(TABLE3_HEADER)
+    for name, chip_counts in TABLE3_CHIPS.items():
+        for chips in chip_counts:
+            print(table3_row(name, chips))
 
 
 if __name__ == "__main__":
