@@ -262,3 +262,14 @@ def test_the_pool_is_sized_from_memory_and_capped_by_what_rows_can_use(tiny):
     assert page == model_config.num_layers * 16 * 2 * model_config.num_kv_heads \
         * model_config.head_dim * 4
     assert pages.pool_pages(10 * page + page // 2, page, 1000) == 10
+
+
+def test_a_freed_pool_is_made_again_with_the_same_samples(roomy, tiny):
+    """free_kv_cache_during_weight_sync: the pool goes back after each call (the trainer gets
+    the memory) and the next call zeroes a new one; samples do not change."""
+    want = roomy.generate(PROMPTS, SAMPLE, seed=6)
+    freeing = paged_engine(tiny, page_size=4, free_pool_after_generate=True)
+    for _ in range(2):
+        assert as_lists(freeing.generate(PROMPTS, SAMPLE, seed=6)) == as_lists(want)
+        assert freeing._pools == [None]
+    assert roomy._pools != [None]

@@ -101,6 +101,9 @@ class Config:
     vllm_block_size: int = 0
     # Requests with the same prompt (a GRPO group) share its KV pages, prefilled once.
     enable_prefix_caching: bool = True
+    # The jax engine gives its page pool back after each rollout, so the train step has that
+    # memory (the pool is zeroed again at the next rollout); false keeps it across steps.
+    free_kv_cache_during_weight_sync: bool = True
     # --- end KV page pool ---
 
     # --- vLLM engine (rollout_engine=vllm, engine/vllm_engine.py); MaxText's key names ---
@@ -317,6 +320,7 @@ RUNTIME_ONLY_KEYS = frozenset({
     "rl_rollout_restarts", "rl_ray_object_store_mb",
     "checkpoint_directory", "eval_schedule",
     "hbm_utilization_vllm", "max_num_batched_tokens", "vllm_block_size", "enable_prefix_caching",
+    "free_kv_cache_during_weight_sync",
 })
 
 
@@ -488,6 +492,10 @@ def _validate_kv_pool(cfg: Config) -> None:
                               f"rollout_engine={cfg.rollout_engine} decodes MaxText's model "
                               "over a dense cache (no pool yet): drop them, or use "
                               f"rollout_engine={' or '.join(PAGED_ENGINES)}")
+    if not cfg.free_kv_cache_during_weight_sync and cfg.rollout_engine != "jax":
+        raise ConfigError(f"free_kv_cache_during_weight_sync=false keeps the jax engine's page "
+                          f"pool across steps; rollout_engine={cfg.rollout_engine} has no such "
+                          "choice here (vLLM keeps its pool): drop it")
     if not 0 < cfg.hbm_utilization_vllm <= 1:
         raise ConfigError(f"hbm_utilization_vllm must be in (0, 1] (the share of each device "
                           f"the engine may hold), got {cfg.hbm_utilization_vllm}")

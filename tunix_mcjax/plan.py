@@ -10,9 +10,10 @@ the trainer calls (`memory.gather_params_once`, `memory.num_micro_batches`,
 budgets: every sequence at `max_target_length`, one sequence per packed row.
 
 A step's memory peaks in one of three phases, each on top of the trainer state (params and
-Adam moments, FSDP-sharded over all devices) and the engine's persistent state (its copy of the
-weights and, for the paged jax engine, its KV page pool, allocated once and kept across steps):
-generate (a prefill chunk or a decode step, whichever is larger, and the prompts' last logits;
+Adam moments, FSDP-sharded over all devices) and the engine's copy of the weights: generate
+(the paged jax engine's KV page pool, a prefill chunk or a decode step, whichever is larger,
+and the prompts' last logits; with free_kv_cache_during_weight_sync=false the pool is kept
+across steps and counts in every phase;
 the dense maxtext engine instead makes a KV cache, prompt store and prefill per call), train
 (gradients, the gathered replica when params are gathered once, saved activations and logits
 scratch) and publish (the replicated gather of the new weights). The pool is sized as the
@@ -318,7 +319,8 @@ def layer_pass_bytes(m: ModelShape, c: int, rows: int, tokens: int, keys: int) -
 
 
 def paged_engine_items(cfg: Config, shape: PagedShape, m: ModelShape) -> dict[str, int]:
-    """Per device: the engine's weights and page pool (both persistent, in every phase) and
+    """Per device: the engine's weights and page pool (the pool freed after each rollout
+    unless kept: `plan`) and
     what its generation program adds: one prefill chunk (R rows x C tokens through a layer,
     attending to the prompt's pages), one decode step (B rows attending to their tables at the
     caps, and the sampler's logits) and the prompts' last logits [U, V] fp32."""
@@ -364,7 +366,7 @@ def dense_engine_items(cfg: Config, cluster: Cluster, m: ModelShape) -> dict[str
 
 
 def generate_scratch(items: dict[str, int]) -> int:
-    """What generate adds to the persistent state. Paged: the prompt logits (loop state) and the
+    """What generate adds beside the pool. Paged: the prompt logits (loop state) and the
     larger of a prefill chunk and a decode step, which take turns in one loop iteration. Dense:
     the cache, the prompt store and the prefill, all made for the call."""
     if "KV page pool" in items:
@@ -447,14 +449,18 @@ def plan(cfg: Config, cluster: Cluster, mc) -> Plan:
         **engine_bytes,
         **cpu_host_items(cfg, cluster, m),
     }
-    # The page pool is allocated once and lives across steps: it is state, in every phase.
-    state = items["params"] + items["optimizer state"] + items["engine weights"] \
-        + items.get("KV page pool", 0) + items["process baseline"]
+    # The page pool is made for each rollout and given back before the train step
+    # (free_kv_cache_during_weight_sync), or made once and kept: then it is in every phase.
+    pool = items.get("KV page pool", 0)
+    kept = 0 if cfg.free_kv_cache_during_weight_sync else pool
+    state = items["params"] + items["optimizer state"] + items["engine weights"] + kept \
+        + items["process baseline"]
     train_keys = ("gradients", "gathered params + grads", "reference params", "activations",
                   "logits", "bf16 matmul fp32 copy")
     publish = m.param_count * w if cfg.rl_publish_weights_single_call else m.largest_leaf * w
     phases = {
-        "generate": state + generate_scratch(engine_bytes) + items["bf16 matmul fp32 copy"],
+        "generate": state + pool - kept + generate_scratch(engine_bytes)
+        + items["bf16 matmul fp32 copy"],
         "train": state + sum(items[k] for k in train_keys),
         "publish": state + publish,
     }

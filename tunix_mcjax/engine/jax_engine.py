@@ -155,7 +155,9 @@ class JaxEngine(Engine):
     The KV pool of a replica: `page_size` tokens a page; `num_pages` pages, or (0) as many as
     `hbm_utilization` of a device holds beside the engine's weights, never more than every row
     at the caps could use. `max_num_batched_tokens` bounds the prompt tokens one loop iteration
-    prefills. `prefix_caching` lets the requests of one prompt share its pages.
+    prefills. `prefix_caching` lets the requests of one prompt share its pages. The pool is made
+    on first use and kept, unless `free_pool_after_generate` (a colocated trainer wants the
+    memory between rollouts).
     """
 
     def __init__(
@@ -177,6 +179,7 @@ class JaxEngine(Engine):
         hbm_utilization: float = DEFAULT_HBM_UTILIZATION,
         max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
         prefix_caching: bool = True,
+        free_pool_after_generate: bool = False,
     ):
         devices = list(devices)
         tp = tensor_parallelism
@@ -208,6 +211,7 @@ class JaxEngine(Engine):
         self.page_size = page_size
         self.max_num_batched_tokens = max_num_batched_tokens
         self.prefix_caching = prefix_caching
+        self.free_pool_after_generate = free_pool_after_generate
         groups = np.array(devices, dtype=object).reshape(-1, tp)
         if lockstep:
             self.meshes = [self._mesh(groups)]
@@ -357,7 +361,7 @@ class JaxEngine(Engine):
                 pending += self._dispatch(
                     replica, request_ids, prompts, sampling, spec, key, *buckets
                 )
-        return self._collect(pending, len(prompts), sampling)
+        return self._finish(pending, len(prompts), sampling)
 
     def generate_share(
         self,
@@ -374,7 +378,16 @@ class JaxEngine(Engine):
         buckets = self._buckets(prompts, sampling)
         request_ids = list(range(len(prompts)))
         pending = self._dispatch(replica, request_ids, prompts, sampling, spec, key, *buckets)
-        return self._collect(pending, len(prompts), sampling)
+        return self._finish(pending, len(prompts), sampling)
+
+    def _finish(self, pending: list[_Pending], num_requests: int,
+                sampling: SamplingParams) -> list[Completion]:
+        """The completions; the pools go back when the engine frees them between calls."""
+        try:
+            return self._collect(pending, num_requests, sampling)
+        finally:
+            if self.free_pool_after_generate:
+                self._pools = [None for _ in self.meshes]
 
     def _buckets(self, prompts: list[np.ndarray], sampling: SamplingParams) -> tuple[int, int]:
         """(prompt length, new tokens) padded to powers of two, capped by the engine limits."""

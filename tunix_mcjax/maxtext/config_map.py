@@ -170,7 +170,6 @@ VLLM_KEYS: dict[str, str | None] = {
     "swap_space_vllm_gb": None,
     "enable_dp_attention": None,
     "enable_expert_parallel": None,
-    "free_kv_cache_during_weight_sync": None,
     "async_scheduling": None,
     "vllm_additional_config": None,
     "vllm_hf_overrides": None,
@@ -208,6 +207,7 @@ KV_POOL_KEYS: dict[str, str] = {
     "max_num_batched_tokens": "max_num_batched_tokens",
     "vllm_block_size": "vllm_block_size",
     "enable_prefix_caching": "enable_prefix_caching",
+    "free_kv_cache_during_weight_sync": "free_kv_cache_during_weight_sync",
 }
 NOT_APPLICABLE |= set(KV_POOL_KEYS)
 
@@ -216,6 +216,7 @@ def pool_values(config: Any) -> dict[str, Any]:
     """Our Config values of MaxText's pool keys (None: the engine's default, 0)."""
     out = {ours: getattr(config, key) for key, ours in KV_POOL_KEYS.items()}
     out["enable_prefix_caching"] = bool(out["enable_prefix_caching"])
+    out["free_kv_cache_during_weight_sync"] = bool(out["free_kv_cache_during_weight_sync"])
     return {k: (0 if v is None else v) for k, v in out.items()}
 
 

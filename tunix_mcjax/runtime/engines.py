@@ -21,7 +21,8 @@ def _engine_options(cfg: Config) -> dict:
 def _pool_options(cfg: Config) -> dict:
     """The KV page pool's settings (0 keys keep the engine's defaults)."""
     options = dict(hbm_utilization=cfg.hbm_utilization_vllm,
-                   prefix_caching=cfg.enable_prefix_caching)
+                   prefix_caching=cfg.enable_prefix_caching,
+                   free_pool_after_generate=cfg.free_kv_cache_during_weight_sync)
     if cfg.vllm_block_size:
         options["page_size"] = cfg.vllm_block_size
     if cfg.max_num_batched_tokens:
