@@ -130,6 +130,44 @@ def test_tpu_kernel_arguments_pass_its_validators_and_its_reference_agrees(page_
                                atol=1e-5)
 
 
+def brute_force(q, k_seq, v_seq, kv_lens, q_lens, window, sinks, scale):
+    """Sliding window and sinks one query at a time, in numpy: the definition's definition."""
+    q, k_seq, v_seq = (np.asarray(x, np.float64) for x in (q, k_seq, v_seq))
+    out = np.zeros_like(q)
+    groups = q.shape[2] // k_seq.shape[2]
+    for r in range(q.shape[0]):
+        for j in range(int(q_lens[r])):
+            p = int(kv_lens[r]) - int(q_lens[r]) + j
+            keys = [t for t in range(int(kv_lens[r])) if t <= p and (not window or t > p - window)]
+            for n in range(q.shape[2]):
+                scores = np.array([q[r, j, n] @ k_seq[r, t, n // groups] for t in keys]) * scale
+                sink = [] if sinks is None else [float(sinks[n])]
+                weights = np.exp(np.concatenate([scores, sink]) - np.max([*scores, *sink]))
+                weights /= weights.sum()
+                out[r, j, n] = weights[:len(keys)] @ v_seq[r, keys, n // groups]
+    return out
+
+
+@pytest.mark.parametrize("window,with_sinks", [(4, False), (None, True), (5, True)],
+                         ids=["window", "sinks", "window+sinks"])
+@pytest.mark.parametrize("page_size", [3, 4])
+def test_sliding_window_and_sinks_by_position(page_size, window, with_sinks):
+    """`window` by token position (MaxText's LOCAL_SLIDING: p - window < k <= p), and per-head
+    sinks in each softmax's denominator: the reference is a brute force's, and the XLA pages
+    are the reference, rows crossing pages and past the window alike."""
+    (q, k_seq, v_seq, tables, kv_lens, q_lens), pool = ragged_case(page_size)
+    sinks = jnp.asarray([0.5, -1.0, 2.0, 0.0]) if with_sinks else None
+    options = dict(window=window, sinks=sinks, scale=0.3)
+    want = pa.reference_attention(q, k_seq, v_seq, kv_lens, q_lens, **options)
+    np.testing.assert_allclose(want, brute_force(q, k_seq, v_seq, kv_lens, q_lens, window,
+                                                 sinks, 0.3), atol=1e-5)
+    got = jax.jit(lambda *a: pa.SplitPages().attend(*a, **options))(
+        q, split_layer(*pool), tables, kv_lens, q_lens)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    plain = pa.reference_attention(q, k_seq, v_seq, kv_lens, q_lens, scale=0.3)
+    assert np.abs(np.asarray(plain) - np.asarray(want)).max() > 1e-3  # the options do something
+
+
 @pytest.mark.parametrize("layout", [pa.SplitPages(), pa.CombinedPages()],
                          ids=["split", "combined"])
 def test_each_layout_writes_and_copies_pages_where_the_tables_say(layout):

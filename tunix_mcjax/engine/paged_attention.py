@@ -7,6 +7,12 @@ its own. Keys and values come from the pages of the row's block table (entry i h
 zero. A decode step is rows of one query; a prefill chunk is a row of up to `chunk` queries.
 These are the semantics of JAX's TPU `ragged_paged_attention`, with the tokens grouped by row.
 
+Optional, per call (defaults: today's plain causal attention): `window` (a query at position p
+sees keys at positions p - window < k <= p, by token position, MaxText's LOCAL_SLIDING mask),
+`sinks` (per query head, a logit that joins each softmax's denominator with no value, gpt-oss's),
+`scale` (of the scores; default head_dim ** -0.5; MaxText scales queries itself: 1.0) and
+`soft_cap` (scores -> soft_cap * tanh(scores / soft_cap)).
+
 - `reference_attention`: the definition, one row at a time over its keys and values (tests).
 - `SplitPages` (CPU, GPU): keys and values in two arrays `[kv_heads, pages, page_size,
   head_dim]`; every row at once over the first n pages of each table, n the longest live row
@@ -27,7 +33,8 @@ from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3.model import K_MASK
 
 
-def attend_rows(q, k, v, kv_lens, q_lens) -> jax.Array:
+def attend_rows(q, k, v, kv_lens, q_lens, *, window: int | None = None, sinks=None,
+                scale: float | None = None, soft_cap: float | None = None) -> jax.Array:
     """q [R, C, N, H], k/v [K, R, L, H] (key i of row r at [:, r, i]) -> [R, C, N, H].
 
     Keys and values come kv-head-major, so both contractions are batched over (K, R) with no
@@ -38,10 +45,14 @@ def attend_rows(q, k, v, kv_lens, q_lens) -> jax.Array:
     k_pos = jnp.arange(k.shape[2])
     mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :]
                                                           < kv_lens[:, None, None])
+    if window:
+        mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
     qg = jnp.moveaxis(q.reshape(r, c, kv_heads, n // kv_heads, h), 2, 0)  # [K, R, C, G, H]
-    scores = jnp.einsum("KRCGH,KRLH->KRCGL", qg, k) * h**-0.5
+    scores = jnp.einsum("KRCGH,KRLH->KRCGL", qg, k) * (h**-0.5 if scale is None else scale)
+    if soft_cap:
+        scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask[None, :, :, None], scores, K_MASK)
-    probs = jax.nn.softmax(scores.astype(jnp.float32), axis=-1).astype(v.dtype)
+    probs = softmax_with_sinks(scores.astype(jnp.float32), sinks, kv_heads).astype(v.dtype)
     # Slots past a row's length hold whatever a page held before: keep them out of the sum.
     live = (k_pos[None, :] < kv_lens[:, None])[None, :, :, None]
     v = jnp.where(live, v, jnp.zeros_like(v))
@@ -51,14 +62,26 @@ def attend_rows(q, k, v, kv_lens, q_lens) -> jax.Array:
     return jnp.where(real[:, :, None, None], out, jnp.zeros_like(out))
 
 
-def reference_attention(q, k_seq, v_seq, kv_lens, q_lens) -> jax.Array:
+def softmax_with_sinks(scores: jax.Array, sinks, kv_heads: int) -> jax.Array:
+    """Softmax over the last axis of scores [K, R, C, G, L]; with `sinks` [K * G] each head's
+    sink logit joins the denominator (and takes its share of the probability mass)."""
+    if sinks is None:
+        return jax.nn.softmax(scores, axis=-1)
+    sink = jnp.asarray(sinks, jnp.float32).reshape(kv_heads, 1, 1, -1, 1)
+    sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
+    return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+
+
+def reference_attention(q, k_seq, v_seq, kv_lens, q_lens, **options) -> jax.Array:
     """The definition, one row at a time: k_seq/v_seq [R, L, K, H] are each row's keys and
-    values by position (what its pages hold)."""
+    values by position (what its pages hold). `options`: `attend_rows`' window, sinks, scale
+    and soft_cap."""
     def head_major(x):
         return jnp.moveaxis(x, 2, 0)
 
     rows = [attend_rows(q[i:i + 1], head_major(k_seq[i:i + 1]), head_major(v_seq[i:i + 1]),
-                        kv_lens[i:i + 1], q_lens[i:i + 1]) for i in range(q.shape[0])]
+                        kv_lens[i:i + 1], q_lens[i:i + 1], **options)
+            for i in range(q.shape[0])]
     return jnp.concatenate(rows, axis=0)
 
 
@@ -103,7 +126,8 @@ class SplitPages:
             return g.reshape(*g.shape[:2], -1, g.shape[-1])
         return gather(layer[0]), gather(layer[1])
 
-    def attend(self, q, layer, tables, kv_lens, q_lens) -> jax.Array:
+    def attend(self, q, layer, tables, kv_lens, q_lens, **options) -> jax.Array:
+        """`options`: `attend_rows`' window, sinks, scale and soft_cap."""
         page_size = layer[0].shape[2]
         buckets = page_buckets(tables.shape[1])
         live = jnp.max(jnp.where(q_lens > 0, kv_lens, 0))
@@ -111,7 +135,8 @@ class SplitPages:
 
         def branch(n):
             def attend_n(q, layer, tables, kv_lens, q_lens):
-                return attend_rows(q, *self.sequences(layer, tables, n), kv_lens, q_lens)
+                return attend_rows(q, *self.sequences(layer, tables, n), kv_lens, q_lens,
+                                   **options)
             return attend_n
 
         return jax.lax.switch(index, [branch(n) for n in buckets],
@@ -142,7 +167,12 @@ class CombinedPages:
         g = jnp.moveaxis(g.reshape(tables.shape[0], -1, *g.shape[3:]), 2, 0)  # [2K, R, L, H]
         return g[0::2], g[1::2]
 
-    def attend(self, q, layer, tables, kv_lens, q_lens) -> jax.Array:
+    def attend(self, q, layer, tables, kv_lens, q_lens, *, window: int | None = None,
+               sinks=None, scale: float | None = None, soft_cap: float | None = None
+               ) -> jax.Array:
+        if sinks is not None:
+            raise NotImplementedError("JAX's TPU ragged_paged_attention has no attention sinks "
+                                      "(gpt-oss): decode it with SplitPages")
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
             ragged_paged_attention,
         )
@@ -150,7 +180,8 @@ class CombinedPages:
         args, where = rpa_arguments(q, tables, kv_lens, q_lens)
         packed, lens, indices, cu_q_lens, num_seqs = args
         out = ragged_paged_attention(packed, layer, lens, indices, cu_q_lens, num_seqs,
-                                     sm_scale=q.shape[-1]**-0.5)
+                                     sm_scale=q.shape[-1]**-0.5 if scale is None else scale,
+                                     sliding_window=window or None, soft_cap=soft_cap or None)
         return unpack_rows(out, where, q.shape)
 
 
