@@ -4,9 +4,11 @@ It decodes any family MaxText trains (dense Qwen3, Qwen3 MoE, gpt-oss, Gemma4) w
 own param tree, no per-family weight mapping: MaxText's model runs in its prefill and
 autoregressive KV-cache modes (`engine.maxtext_model`), driven by the same decode loop, sampler,
 seeds, stop handling, continuous batching and DP replicas as the JAX engine, on meshes over this
-host's devices only. Everything but the model is `JaxEngine`'s, except that MaxText's model
-still decodes over one dense KV row per slot (`engine.dense_loop`), not the page pool: its
-attention has no paged path of ours yet.
+host's devices only. Everything but the model is `JaxEngine`'s: MaxText's model decodes over
+the page pool (`maxtext_model.MaxTextPagedModel`: its training forward, unscanned, with our paged
+attention in place of each layer's `AttentionOp`), so sliding windows apply by token position
+and sequences may be longer than a window. A scanned tree that is not a uniform layer stack
+still decodes over one dense KV row per slot (`engine.dense_loop`).
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ from tunix_mcjax.engine.jax_engine import (
 )
 from tunix_mcjax.engine.maxtext_model import (
     MaxTextDecodeModel,
+    MaxTextPagedModel,
     decode_config,
     local_mesh,
     param_specs,
     stacked_layers,
     unstack_layers,
 )
+from tunix_mcjax.engine.paged_attention import layout_for
 from tunix_mcjax.engine.sampling import SamplerSpec
 
 
@@ -55,17 +59,24 @@ class MaxTextEngine(JaxEngine):
         if kwargs.get("lockstep"):
             raise ValueError("the maxtext engine runs per host (rl_runtime=mcjax); lockstep "
                              "decoding (rl_runtime=single) is the jax engine's")
-        window = model_config.sliding_window_size
-        context = kwargs.get("max_prompt_length", 0) + kwargs.get("max_new_tokens", 0)
+        self.weight_dtype = weight_dtype or None
+        self.unstack = False  # set by _param_specs, once the replica meshes exist
+        self._models: dict[int, MaxTextPagedModel] = {}
+        self.paged = True  # set by _param_specs: False for a scanned tree of mixed blocks
+        self._context = (kwargs.get("max_prompt_length", 1), kwargs.get("max_new_tokens", 1))
+        super().__init__(model_config, devices, **kwargs)
+
+    def _check_window(self) -> None:
+        """Only the dense decode needs sequences within the window."""
+        window = self.model_config.sliding_window_size
+        context = sum(self._context)
         if window and context > window:
             raise ValueError(
                 f"prompt + completion budget {context} > sliding_window_size={window}: MaxText "
                 "0.2.5's autoregressive attention applies the sliding window over KV-cache "
                 "slots, not token positions (attention_op.generate_attention_mask), so longer "
-                "sequences would decode differently from the model the trainer scores")
-        self.weight_dtype = weight_dtype or None
-        self.unstack = False  # set by _param_specs, once the replica meshes exist
-        super().__init__(model_config, devices, **kwargs)
+                "sequences would decode differently from the model the trainer scores; "
+                "scan_layers=false decodes over pages, with no such limit")
 
     def _check_tensor_parallelism(self, tp: int) -> None:
         cfg = self.model_config
@@ -78,16 +89,23 @@ class MaxTextEngine(JaxEngine):
 
     def _config(self, shape: dense_loop.ProgramShape | None = None) -> Any:
         if shape is None:
-            config = decode_config(self.model_config, batch=1, prompt_len=1, max_new=1,
-                                   weight_dtype=self.weight_dtype)
+            prompt_len, max_new = self._context
+            config = decode_config(self.model_config, batch=1, prompt_len=prompt_len,
+                                   max_new=max_new, weight_dtype=self.weight_dtype)
         else:
             config = decode_config(self.model_config, batch=shape.num_slots,
                                    prompt_len=shape.prompt_len, max_new=shape.max_new,
                                    weight_dtype=self.weight_dtype)
-        return config.model_copy(update={"scan_layers": False}) if self.unstack else config
+        if self.unstack:
+            config = config.model_copy(update={"scan_layers": False})
+        # No gradients here; remat would also wall the paged attention's pool writes in.
+        return config.model_copy(update={"remat_policy": "none"})
 
     def _param_specs(self, tp: int) -> dict[LeafPath, _LeafSpec]:
         self.unstack = stacked_layers(self._config(), self.meshes[0])
+        self.paged = self.unstack or not self.model_config.scan_layers
+        if not self.paged:
+            self._check_window()
         specs = param_specs(self._config(), self.meshes[0])
         self._keys = {path: keys for path, (keys, *_) in specs.items()}
         return {path: _LeafSpec(shape, dtype, partition)
@@ -101,18 +119,34 @@ class MaxTextEngine(JaxEngine):
                                                    cfg.param_scan_axis))
         super().load_weights(params)
 
-    # ----- the dense decode of MaxText's model (no page pool) -----
+    # ----- the paged decode of MaxText's model -----
+
+    def _decode_model(self, mesh: Mesh) -> MaxTextPagedModel:
+        key = id(mesh)
+        if key not in self._models:
+            self._models[key] = MaxTextPagedModel(self._config(), mesh,
+                                                  layout_for(mesh.devices.flat[0].platform))
+        return self._models[key]
+
+    def _page_bytes(self, tp: int) -> int:
+        return self._decode_model(self.meshes[0]).page_bytes(self.page_size, tp)
+
+    # ----- the dense decode of a scanned tree of mixed blocks (no page pool) -----
 
     def _pages_for(self, *args: Any) -> int:
-        return 0
+        return super()._pages_for(*args) if self.paged else 0
 
     def _check_pool(self) -> None:
-        pass
+        if self.paged:
+            super()._check_pool()
 
     def _dispatch(self, replica: int, request_ids: list[int], prompts: list[np.ndarray],
                   sampling: SamplingParams, spec: SamplerSpec, key: jax.Array,
                   prompt_bucket: int, new_bucket: int) -> list[_Pending]:
         """One replica's share through `dense_loop`, one program or waves without CB."""
+        if self.paged:
+            return super()._dispatch(replica, request_ids, prompts, sampling, spec, key,
+                                     prompt_bucket, new_bucket)
         mesh = self.meshes[replica]
         size = len(request_ids) if self.continuous_batching else self.max_batch_size
         pending, first = [], 0

@@ -16,6 +16,7 @@ vectorised over the distinct prompts.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -24,6 +25,8 @@ import numpy as np
 from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import Mesh, PartitionSpec
+
+from tunix_mcjax.engine.paged_attention import SplitPages
 
 # MaxText 0.2.5's names of its KVCache variables (maxtext/inference/kvcache.py) by what a new
 # request does to them.
@@ -238,3 +241,183 @@ class MaxTextDecodeModel:
 def _name(path: tuple) -> str:
     last = path[-1]
     return str(getattr(last, "key", last))
+
+
+# ----- MaxText's model over our page pool ------------------------------------------------------
+
+
+class _PagedCall:
+    """What one forward of `MaxTextPagedModel` shares with its layers' attention: the rows, the
+    page layout, and the pool (a list over KV slots), which each writing layer replaces."""
+
+    def __init__(self, layout: Any, pool: list[Any], rows: Any):
+        self.layout, self.pool, self.rows = layout, list(pool), rows
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedAttentionOp:
+    """Stands in for one layer's MaxText `AttentionOp` (called as MaxText's training forward
+    calls it, on the layer's rotated, normed and scaled q/k/v): writes the layer's new keys and
+    values into its pages, unless the layer reads a donor's (Gemma4's KV-shared layers), and
+    attends over the pages as `AttentionOp` does in training: causal, its sliding window by
+    token position (LOCAL_SLIDING layers), its sinks, no further score scale. A frozen
+    dataclass, so that nnx keeps it in the layer's graph as a static attribute."""
+
+    call: _PagedCall
+    slot: int
+    writes: bool
+    window: int | None
+    soft_cap: float | None
+
+    def __call__(self, query, key, value, decoder_segment_ids=None, inputs_positions=None,
+                 model_mode=None, cached_values=None, previous_chunk=None,
+                 bidirectional_mask=None, sinks=None, **unused: Any):
+        call, rows = self.call, self.call.rows
+        layer = call.pool[self.slot]
+        if self.writes:
+            layer = call.layout.write(layer, rows.write_pages, rows.write_offsets, key, value)
+            call.pool[self.slot] = layer
+        out = call.layout.attend(query, layer, rows.tables, rows.kv_lens, rows.q_lens,
+                                 window=self.window, sinks=sinks, scale=1.0,
+                                 soft_cap=self.soft_cap)
+        return out.astype(query.dtype)
+
+
+def _layer_index(path: tuple) -> int | None:
+    for key in path:
+        name = str(key)
+        if name.startswith(LAYER_PREFIX) and name[len(LAYER_PREFIX):].isdigit():
+            return int(name[len(LAYER_PREFIX):])
+    return None
+
+
+def attention_layers(model: nnx.Module) -> list[tuple[int, nnx.Module]]:
+    """(decoder layer index, its MaxText `Attention` module), in layer order, of an unscanned
+    model."""
+    from maxtext.layers.attention_op import AttentionOp
+
+    found = []
+    for path, node in nnx.iter_graph(model):
+        if isinstance(getattr(node, "attention_op", None), AttentionOp):
+            index = _layer_index(path)
+            if index is None:
+                raise ValueError(f"MaxText attention at {'/'.join(map(str, path))} is not in an "
+                                 "unscanned decoder layer (layers_<i>): the paged maxtext "
+                                 "engine decodes unscanned layers")
+            found.append((index, node))
+    found.sort(key=lambda item: item[0])
+    if [i for i, _ in found] != list(range(len(found))):
+        raise ValueError("expected one MaxText attention per decoder layer")
+    return found
+
+
+def kv_slots(config: Any, layers: list[tuple[int, nnx.Module]]) -> list[int]:
+    """The pool slot of each layer's keys and values: its own, or for a KV-shared layer
+    (Gemma4 E2B/E4B) its donor's, as MaxText's serving path maps them."""
+    if not any(getattr(attn, "share_kv_layer", False) for _, attn in layers):
+        return list(range(len(layers)))
+    from maxtext.models import gemma4_small
+
+    types = gemma4_small.build_layer_types(config.num_decoder_layers, config.model_name)
+    slot_of = gemma4_small.kv_cache_slot_map(types, config.num_kv_shared_layers)
+    return [slot_of[i] for i in range(len(layers))]
+
+
+@dataclasses.dataclass(frozen=True)
+class _LayerAttention:
+    slot: int
+    writes: bool
+    window: int | None
+    soft_cap: float | None
+    kv_heads: int
+    head_dim: int
+
+
+def _layer_attention(attn: nnx.Module, slot: int, own_slot: bool) -> _LayerAttention:
+    from maxtext.common.common_types import AttentionType
+
+    op = attn.attention_op
+    kind = getattr(op, "attention_type", AttentionType.GLOBAL)
+    if kind not in (AttentionType.GLOBAL, AttentionType.LOCAL_SLIDING):
+        raise ValueError(f"MaxText attention type {kind} has no paged decode (global and "
+                         "local sliding layers do)")
+    if getattr(op, "chunk_attn_window_size", None) and kind != AttentionType.LOCAL_SLIDING:
+        raise ValueError("chunked attention has no paged decode")
+    window = op.sliding_window_size if kind == AttentionType.LOCAL_SLIDING else None
+    return _LayerAttention(slot, own_slot, window or None, op.attn_logits_soft_cap or None,
+                           int(attn.num_kv_heads), int(attn.head_dim))
+
+
+class MaxTextPagedModel:
+    """MaxText's model as the paged loop's `DecodeModel`: its training forward (MODEL_MODE_TRAIN,
+    no cache variables, MaxText's own projections, norms, RoPE, MoE and output head), unscanned,
+    with each layer's `AttentionOp` replaced by `PagedAttentionOp` over our page pool. The
+    pool is a list over KV slots (one per layer, KV-shared layers read their donor's), each in
+    `layout`, with that layer's kv heads and head dim (Gemma4's global layers differ); kv heads
+    split over "tensor" where they divide."""
+
+    def __init__(self, config: Any, mesh: Mesh, layout: Any):
+        from maxtext.common.common_types import MODEL_MODE_TRAIN
+
+        if config.scan_layers:
+            raise ValueError("the paged maxtext engine decodes an unscanned model "
+                             "(scan_layers=false; a uniform stack is unstacked for it)")
+        self.config, self.mesh, self.layout, self.mode = config, mesh, layout, MODEL_MODE_TRAIN
+        self.rules = config.logical_axis_rules
+        model = abstract_model(config, mesh, MODEL_MODE_TRAIN)
+        self.graph, _ = nnx.split(model, nnx.Param)
+        layers = attention_layers(model)
+        slots = kv_slots(config, layers)
+        self.layers = [_layer_attention(attn, slot, slot not in slots[:i])
+                       for i, ((_, attn), slot) in enumerate(zip(layers, slots, strict=True))]
+        self.slot_shapes = {a.slot: (a.kv_heads, a.head_dim) for a in self.layers if a.writes}
+        self.dtype = jnp.dtype(config.dtype)
+
+    def page_bytes(self, page_size: int, tp: int) -> int:
+        """Bytes of one page over every slot, per device (kv heads split over `tp` where they
+        divide)."""
+        return sum(page_size * 2 * k * h * self.dtype.itemsize // (tp if k % tp == 0 else 1)
+                   for k, h in self.slot_shapes.values())
+
+    def _specs(self) -> list[Any]:
+        tp = self.mesh.shape[TENSOR_AXIS]
+        specs = []
+        for slot in sorted(self.slot_shapes):
+            heads = TENSOR_AXIS if self.slot_shapes[slot][0] % tp == 0 else None
+            split = isinstance(self.layout, SplitPages)  # [K, P, page, H]; else [P, page, 2K, H]
+            specs.append(PartitionSpec(heads, None, None, None) if split
+                         else PartitionSpec(None, None, heads, None))
+        return specs
+
+    def _shard(self, pool: list[Any]) -> list[Any]:
+        out = []
+        for layer, spec in zip(pool, self._specs(), strict=True):
+            sharding = jax.sharding.NamedSharding(self.mesh, spec)
+            out.append(jax.tree.map(lambda x, s=sharding: jax.lax.with_sharding_constraint(x, s),
+                                    layer))
+        return out
+
+    def empty_pool(self, num_pages: int, page_size: int) -> list[Any]:
+        def make():
+            return [self.layout.empty(num_pages, page_size, *self.slot_shapes[slot], self.dtype)
+                    for slot in sorted(self.slot_shapes)]
+
+        shardings = [jax.sharding.NamedSharding(self.mesh, spec) for spec in self._specs()]
+        shardings = [jax.tree.map(lambda _, s=s: s, layer) for s, layer in
+                     zip(shardings, jax.eval_shape(make), strict=True)]
+        return jax.jit(make, out_shardings=shardings)()
+
+    def forward(self, params: Any, pool: list[Any], rows: Any) -> tuple[jax.Array, list[Any]]:
+        call = _PagedCall(self.layout, pool, rows)
+        model = nnx.merge(self.graph, params, copy=True)
+        for (_, attn), layer in zip(attention_layers(model), self.layers, strict=True):
+            attn.attention_op = PagedAttentionOp(call, layer.slot, layer.writes, layer.window,
+                                                 layer.soft_cap)
+        with nn_partitioning.axis_rules(self.rules):
+            logits = model(rows.tokens, rows.positions, decoder_segment_ids=None,
+                           model_mode=self.mode, enable_dropout=False)
+        logits = logits[jnp.arange(rows.tokens.shape[0]), rows.logit_cols]
+        return logits.astype(jnp.float32), self._shard(call.pool)
+
+    def copy_page(self, pool: list[Any], source: jax.Array, target: jax.Array) -> list[Any]:
+        return [self.layout.copy_page(layer, source, target) for layer in pool]
