@@ -142,9 +142,10 @@ def test_greedy_decode_is_the_full_forwards_argmax(world):
         np.testing.assert_array_equal(out.tokens, np.argmax(steps, axis=-1))
     # Every request took a row of two: five requests, so rows were refilled mid-loop.
     assert world.engine.compile_count == 1
-    # Uniform layer stacks decode unscanned (sliced from the trainer's stack); blocks of several
-    # layer kinds decode through MaxText's scan.
-    assert world.engine.unstack == (world.name in ("qwen3", "qwen3_moe"))
+    # Every family decodes over pages, unscanned: a scanned tree (a uniform stack, or gpt-oss's
+    # blocks of two layer kinds) is sliced into the engine's layers.
+    assert world.engine.paged
+    assert world.engine.unstack == (world.name in ("qwen3", "qwen3_moe", "gpt_oss"))
 
 
 @pytest.mark.parametrize("world", family_params("qwen3_moe"), indirect=True)

@@ -107,22 +107,50 @@ def param_specs(config: Any, mesh: Mesh) -> dict[tuple[str, ...], tuple[tuple, A
     return specs
 
 
-def stacked_layers(config: Any, mesh: Mesh) -> bool:
-    """Whether the model's scanned param tree is its unscanned one with each `layers_<i>`
-    stacked into `layers` along `param_scan_axis` (a uniform stack, e.g. Qwen3 and Qwen3 MoE;
-    families that scan blocks of several layer kinds do not qualify)."""
+def _unscanned_path(path: tuple[str, ...], block: int) -> tuple[str, tuple[str, ...]] | None:
+    """(sub-layer j, the rest) of a scanned path `decoder/layers/...` (block 1) or
+    `decoder/layers/layers_<j>/...` (a block of `block` layer kinds, gpt-oss's)."""
+    if path[:2] != (DECODER, STACKED_LAYERS):
+        return None
+    if block == 1:
+        return "0", path[2:]
+    name = path[2] if len(path) > 2 else ""
+    if not (name.startswith(LAYER_PREFIX) and name[len(LAYER_PREFIX):].isdigit()):
+        return None
+    return name[len(LAYER_PREFIX):], path[3:]
+
+
+def scan_block(config: Any, mesh: Mesh) -> int:
+    """How the model's scanned param tree stacks its unscanned one: 1 for a uniform stack
+    (`layers_<i>` stacked into `layers` along `param_scan_axis`: Qwen3, Qwen3 MoE), b for a
+    block of b layer kinds (`layers/layers_<j>` stacks layers j, j + b, ...: gpt-oss), 0 for
+    anything else (Gemma4's scanned blocks) or an unscanned config."""
     if not config.scan_layers:
-        return False
-    scanned = param_specs(config, mesh)
+        return 0
+    scanned = {path: (shape, dtype) for path, (_, shape, dtype, _) in
+               param_specs(config, mesh).items()}
     unscanned = param_specs(config.model_copy(update={"scan_layers": False}), mesh)
-    expected = {}
-    for path, (_, shape, dtype, _) in unscanned.items():
-        if len(path) > 2 and path[0] == DECODER and path[1].startswith(LAYER_PREFIX):
-            shape = list(shape)
-            shape.insert(config.param_scan_axis, config.num_decoder_layers)
-            path = (DECODER, STACKED_LAYERS, *path[2:])
-        expected[path] = (tuple(shape), dtype)
-    return expected == {path: (shape, dtype) for path, (_, shape, dtype, _) in scanned.items()}
+    n = config.num_decoder_layers
+    for block in (1, 2, 3, 4, 6, 8):
+        if n % block:
+            continue
+        expected = {}
+        for path, (_, shape, dtype, _) in unscanned.items():
+            if len(path) > 2 and path[0] == DECODER and path[1].startswith(LAYER_PREFIX):
+                i = int(path[1][len(LAYER_PREFIX):])
+                shape = list(shape)
+                shape.insert(config.param_scan_axis, n // block)
+                sub = () if block == 1 else (f"{LAYER_PREFIX}{i % block}",)
+                path = (DECODER, STACKED_LAYERS, *sub, *path[2:])
+            expected[path] = (tuple(shape), dtype)
+        if expected == scanned:
+            return block
+    return 0
+
+
+def stacked_layers(config: Any, mesh: Mesh) -> bool:
+    """Whether the scanned tree is a uniform stack of the unscanned one (`scan_block` 1)."""
+    return scan_block(config, mesh) == 1
 
 
 def _layer_slice(leaf: Any, index: int, axis: int) -> Any:
@@ -147,15 +175,19 @@ def _layer_slice(leaf: Any, index: int, axis: int) -> Any:
 
 
 def unstack_layers(flat: dict[tuple[str, ...], Any], num_layers: int,
-                   axis: int) -> dict[tuple[str, ...], Any]:
-    """A flat param tree with `decoder/layers/...` (stacked) as `decoder/layers_<i>/...`."""
+                   axis: int, block: int = 1) -> dict[tuple[str, ...], Any]:
+    """A flat param tree with `decoder/layers/...` (stacked; `scan_block`'s `block` layer
+    kinds) as `decoder/layers_<i>/...`."""
     out = {}
     for path, leaf in flat.items():
-        if path[:2] != (DECODER, STACKED_LAYERS):
+        split = _unscanned_path(path, block)
+        if split is None:
             out[path] = leaf
             continue
-        for i in range(num_layers):
-            out[(DECODER, f"{LAYER_PREFIX}{i}", *path[2:])] = _layer_slice(leaf, i, axis)
+        sub, rest = int(split[0]), split[1]
+        for k in range(num_layers // block):
+            out[(DECODER, f"{LAYER_PREFIX}{sub + k * block}", *rest)] = _layer_slice(leaf, k,
+                                                                                    axis)
     return out
 
 
