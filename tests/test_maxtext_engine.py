@@ -82,15 +82,18 @@ def perturbed(params: nnx.State, seed: int) -> nnx.State:
 class World:
     """One family: the trainer's MaxText model and params, and an engine on one local device."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, overrides: tuple[str, ...] = (), **engine_kwargs):
         self.name = name
-        self.config, _ = load_maxtext_config(["", RL_YML, *FAMILIES[name], *CPU], {})
+        keys = {o.split("=")[0] for o in overrides}
+        args = [a for a in (*FAMILIES[name], *CPU) if a.split("=")[0] not in keys]
+        self.config, _ = load_maxtext_config(["", RL_YML, *args, *overrides], {})
         model, self.mesh = policy.build_model(self.config, pad_id=0)
         self.policy, params = policy.maxtext_policy(model, self.config)
         self.params = perturbed(params, seed=1)
-        self.engine = MaxTextEngine(
-            self.config, jax.local_devices()[:1], pad_id=0,
-            eos_ids=(), max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2)
+        engine_kwargs = {"max_prompt_length": 16, "max_new_tokens": MAX_NEW,
+                         "max_batch_size": 2, **engine_kwargs}
+        self.engine = MaxTextEngine(self.config, jax.local_devices()[:1], pad_id=0,
+                                    eos_ids=(), **engine_kwargs)
         self.engine.load_weights(policy.maxtext_tree(self.params))
         rng = np.random.default_rng(0)
         self.prompts = [rng.integers(1, 512, n).astype(np.int32) for n in PROMPT_LENS]
@@ -142,10 +145,36 @@ def test_greedy_decode_is_the_full_forwards_argmax(world):
         np.testing.assert_array_equal(out.tokens, np.argmax(steps, axis=-1))
     # Every request took a row of two: five requests, so rows were refilled mid-loop.
     assert world.engine.compile_count == 1
-    # Every family decodes over pages, unscanned: a scanned tree (a uniform stack, or gpt-oss's
-    # blocks of two layer kinds) is sliced into the engine's layers.
+    # Every family decodes over pages, unscanned: a scanned tree (a uniform stack, gpt-oss's
+    # blocks of two layer kinds, Gemma4's blocks of five local and one global layer) is sliced
+    # into the engine's layers.
     assert world.engine.paged
-    assert world.engine.unstack == (world.name in ("qwen3", "qwen3_moe", "gpt_oss"))
+    assert world.engine.unstack == (world.name in ("qwen3", "qwen3_moe", "gpt_oss", "gemma4"))
+
+
+# Decode well past a sliding window of 8, across pages of 4 tokens, through a pool that holds
+# one sequence at the caps but not two: the second row is preempted and recomputed.
+WINDOW, LONG_NEW, PAGE = 8, 48, 4
+WINDOWED = {"gpt_oss", "gemma4_unscanned", "gemma4_small"}
+
+
+@pytest.mark.parametrize("name", [p for name in ("qwen3", "qwen3_moe", *sorted(WINDOWED))
+                                  for p in family_params(name)])
+def test_long_decode_past_the_window_across_pages_and_preemption(name):
+    overrides = ("max_target_length=64", *((f"sliding_window_size={WINDOW}",)
+                                           if name in WINDOWED else ()))
+    _WORLDS.clear()
+    world = World(name, overrides, max_new_tokens=LONG_NEW, page_size=PAGE, num_pages=24)
+    prompts = world.prompts[:3]
+    outs = world.engine.generate(prompts, SamplingParams(max_new_tokens=LONG_NEW, greedy=True),
+                                 seed=0)
+    assert sum(stats["preemptions"] for stats in world.engine.last_stats) > 0
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert len(out.tokens) == LONG_NEW  # 6x the window, 12 pages and more
+        steps = world.check_against_forward(prompt, out)
+        np.testing.assert_array_equal(out.tokens, np.argmax(steps, axis=-1))
+    if name in WINDOWED:  # the window is on: the forward without it decodes otherwise
+        assert world.config.sliding_window_size == WINDOW
 
 
 @pytest.mark.parametrize("world", family_params("qwen3_moe"), indirect=True)
@@ -294,13 +323,9 @@ def test_what_cannot_run_is_refused_by_name():
     llama = load_maxtext_config(["", RL_YML, "model_name=llama3.1-8b", "log_config=false"], {})[0]
     with pytest.raises(ConfigError, match=r"decoder_block=llama2\) is not supported"):
         config_map.check_model(llama)
-    too_long = maxtext_config("gpt_oss").model_copy(update={"max_target_length": 32})
-    with pytest.raises(ConfigError, match=r"max_target_length=32 > sliding_window_size=24.*"
-                                          r"KV-cache slots, not token positions"):
-        config_map.check_model(too_long)
-    with pytest.raises(ValueError, match="sliding_window_size=24"):
-        MaxTextEngine(too_long, jax.local_devices()[:1], pad_id=0, eos_ids=(),
-                      max_prompt_length=16, max_new_tokens=16)
+    # Sliding windows apply by token position over pages: sequences longer than the window run.
+    longer = maxtext_config("gpt_oss").model_copy(update={"max_target_length": 64})
+    config_map.check_model(longer)
 
 
 def test_rollout_engine_key():

@@ -39,7 +39,7 @@ from tunix_mcjax.engine.maxtext_model import (
     decode_config,
     local_mesh,
     param_specs,
-    scan_block,
+    scan_plan,
     unstack_layers,
 )
 from tunix_mcjax.engine.paged_attention import layout_for
@@ -61,7 +61,7 @@ class MaxTextEngine(JaxEngine):
                              "decoding (rl_runtime=single) is the jax engine's")
         self.weight_dtype = weight_dtype or None
         self.unstack = False  # set by _param_specs, once the replica meshes exist
-        self.block = 0  # scan_block of the trainer's tree, set by _param_specs
+        self.plan = None  # scan_plan of the trainer's tree, set by _param_specs
         self._models: dict[int, MaxTextPagedModel] = {}
         self.paged = True  # set by _param_specs: False for a scanned tree of mixed blocks
         self._context = (kwargs.get("max_prompt_length", 1), kwargs.get("max_new_tokens", 1))
@@ -103,8 +103,8 @@ class MaxTextEngine(JaxEngine):
         return config.model_copy(update={"remat_policy": "none"})
 
     def _param_specs(self, tp: int) -> dict[LeafPath, _LeafSpec]:
-        self.block = scan_block(self._config(), self.meshes[0])
-        self.unstack = self.block > 0
+        self.plan = scan_plan(self._config(), self.meshes[0])
+        self.unstack = self.plan is not None
         self.paged = self.unstack or not self.model_config.scan_layers
         if not self.paged:
             self._check_window()
@@ -117,8 +117,8 @@ class MaxTextEngine(JaxEngine):
         """The trainer's tree; a uniform layer stack is sliced into the engine's layers."""
         if self.unstack:
             cfg = self.model_config
-            params = unflatten_tree(unstack_layers(flatten_tree(params), cfg.num_decoder_layers,
-                                                   cfg.param_scan_axis, self.block))
+            params = unflatten_tree(unstack_layers(flatten_tree(params), self.plan,
+                                                   cfg.param_scan_axis))
         super().load_weights(params)
 
     # ----- the paged decode of MaxText's model -----

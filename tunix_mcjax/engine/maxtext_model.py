@@ -107,50 +107,73 @@ def param_specs(config: Any, mesh: Mesh) -> dict[tuple[str, ...], tuple[tuple, A
     return specs
 
 
-def _unscanned_path(path: tuple[str, ...], block: int) -> tuple[str, tuple[str, ...]] | None:
-    """(sub-layer j, the rest) of a scanned path `decoder/layers/...` (block 1) or
-    `decoder/layers/layers_<j>/...` (a block of `block` layer kinds, gpt-oss's)."""
-    if path[:2] != (DECODER, STACKED_LAYERS):
-        return None
-    if block == 1:
-        return "0", path[2:]
-    name = path[2] if len(path) > 2 else ""
-    if not (name.startswith(LAYER_PREFIX) and name[len(LAYER_PREFIX):].isdigit()):
-        return None
-    return name[len(LAYER_PREFIX):], path[3:]
+# Where each unscanned layer `decoder/layers_<i>` sits in a scanned tree: the scanned prefix
+# that replaces `decoder/layers_<i>`, and its indices along the stacked axes (from
+# `param_scan_axis` on, outermost first).
+ScanPlan = dict[int, tuple[tuple[str, ...], tuple[int, ...]]]
+GEMMA4_BLOCK = ("scanned_blocks", "local_layers", "global_layer", "layers_remainder")
 
 
-def scan_block(config: Any, mesh: Mesh) -> int:
-    """How the model's scanned param tree stacks its unscanned one: 1 for a uniform stack
-    (`layers_<i>` stacked into `layers` along `param_scan_axis`: Qwen3, Qwen3 MoE), b for a
-    block of b layer kinds (`layers/layers_<j>` stacks layers j, j + b, ...: gpt-oss), 0 for
-    anything else (Gemma4's scanned blocks) or an unscanned config."""
+def _candidate_plans(config: Any) -> list[ScanPlan]:
+    """The scanned layouts MaxText 0.2.5 uses: a uniform stack (Qwen3, Qwen3 MoE), blocks of b
+    layer kinds (`layers/layers_<j>`: gpt-oss), and Gemma4's blocks of five local layers and a
+    global one, with local remainder layers."""
+    n = config.num_decoder_layers
+    plans = [{i: ((DECODER, STACKED_LAYERS), (i,)) for i in range(n)}]
+    for b in (2, 3, 4, 6, 8):
+        if n % b == 0:
+            plans.append({i: ((DECODER, STACKED_LAYERS, f"{LAYER_PREFIX}{i % b}"), (i // b,))
+                          for i in range(n)})
+    blocks, local, (scanned, locals_, global_, rest) = n // 6, 5, GEMMA4_BLOCK
+    gemma4: ScanPlan = {}
+    for i in range(n):
+        if i >= 6 * blocks:
+            gemma4[i] = ((DECODER, rest, locals_), (i - 6 * blocks,))
+        elif i % 6 < local:
+            gemma4[i] = ((DECODER, scanned, locals_), (i // 6, i % 6))
+        else:
+            gemma4[i] = ((DECODER, scanned, global_), (i // 6,))
+    plans.append(gemma4)
+    return plans
+
+
+def _scanned_shapes(unscanned: dict, plan: ScanPlan, axis: int) -> dict:
+    """The scanned tree's {path: (shape, dtype)} that `plan` predicts from the unscanned one."""
+    counts: dict[tuple[str, ...], list[int]] = {}
+    for prefix, indices in plan.values():
+        top = counts.setdefault(prefix, [0] * len(indices))
+        for d, index in enumerate(indices):
+            top[d] = max(top[d], index + 1)
+    expected = {}
+    for path, (_, shape, dtype, _) in unscanned.items():
+        if len(path) > 2 and path[0] == DECODER and path[1].startswith(LAYER_PREFIX):
+            i = int(path[1][len(LAYER_PREFIX):])
+            prefix = plan[i][0]
+            shape = list(shape)
+            shape[axis:axis] = counts[prefix]
+            path = (*prefix, *path[2:])
+        expected[path] = (tuple(shape), dtype)
+    return expected
+
+
+def scan_plan(config: Any, mesh: Mesh) -> ScanPlan | None:
+    """How the model's scanned param tree stacks its unscanned one (`ScanPlan`), checked leaf
+    by leaf against both trees' shapes; None for an unscanned config or an unknown layout."""
     if not config.scan_layers:
-        return 0
+        return None
     scanned = {path: (shape, dtype) for path, (_, shape, dtype, _) in
                param_specs(config, mesh).items()}
     unscanned = param_specs(config.model_copy(update={"scan_layers": False}), mesh)
-    n = config.num_decoder_layers
-    for block in (1, 2, 3, 4, 6, 8):
-        if n % block:
-            continue
-        expected = {}
-        for path, (_, shape, dtype, _) in unscanned.items():
-            if len(path) > 2 and path[0] == DECODER and path[1].startswith(LAYER_PREFIX):
-                i = int(path[1][len(LAYER_PREFIX):])
-                shape = list(shape)
-                shape.insert(config.param_scan_axis, n // block)
-                sub = () if block == 1 else (f"{LAYER_PREFIX}{i % block}",)
-                path = (DECODER, STACKED_LAYERS, *sub, *path[2:])
-            expected[path] = (tuple(shape), dtype)
-        if expected == scanned:
-            return block
-    return 0
+    for plan in _candidate_plans(config):
+        if _scanned_shapes(unscanned, plan, config.param_scan_axis) == scanned:
+            return plan
+    return None
 
 
 def stacked_layers(config: Any, mesh: Mesh) -> bool:
-    """Whether the scanned tree is a uniform stack of the unscanned one (`scan_block` 1)."""
-    return scan_block(config, mesh) == 1
+    """Whether the scanned tree is a uniform stack of the unscanned one."""
+    plan = scan_plan(config, mesh)
+    return plan is not None and plan[0][0] == (DECODER, STACKED_LAYERS)
 
 
 def _layer_slice(leaf: Any, index: int, axis: int) -> Any:
@@ -174,20 +197,23 @@ def _layer_slice(leaf: Any, index: int, axis: int) -> Any:
     return jax.make_array_from_single_device_arrays(shape, sharding, slices)
 
 
-def unstack_layers(flat: dict[tuple[str, ...], Any], num_layers: int,
-                   axis: int, block: int = 1) -> dict[tuple[str, ...], Any]:
-    """A flat param tree with `decoder/layers/...` (stacked; `scan_block`'s `block` layer
-    kinds) as `decoder/layers_<i>/...`."""
+def unstack_layers(flat: dict[tuple[str, ...], Any], plan: ScanPlan,
+                   axis: int) -> dict[tuple[str, ...], Any]:
+    """A flat scanned param tree as the unscanned one (`decoder/layers_<i>/...`), by `plan`."""
+    by_prefix: dict[tuple[str, ...], list[tuple[int, tuple[int, ...]]]] = {}
+    for i, (prefix, indices) in plan.items():
+        by_prefix.setdefault(prefix, []).append((i, indices))
     out = {}
     for path, leaf in flat.items():
-        split = _unscanned_path(path, block)
-        if split is None:
+        prefix = next((p for p in by_prefix if path[:len(p)] == p), None)
+        if prefix is None:
             out[path] = leaf
             continue
-        sub, rest = int(split[0]), split[1]
-        for k in range(num_layers // block):
-            out[(DECODER, f"{LAYER_PREFIX}{sub + k * block}", *rest)] = _layer_slice(leaf, k,
-                                                                                    axis)
+        for i, indices in by_prefix[prefix]:
+            layer = leaf
+            for index in indices:
+                layer = _layer_slice(layer, index, axis)
+            out[(DECODER, f"{LAYER_PREFIX}{i}", *path[len(prefix):])] = layer
     return out
 
 

@@ -371,14 +371,6 @@ def check_model(config: Any, rollout_engine: str | None = None) -> None:
     if config.use_multimodal:
         raise ConfigError("use_multimodal=true: the maxtext engine decodes text prompts only; "
                           "set use_multimodal=false")
-    window = config.sliding_window_size
-    if window and config.max_target_length > window:
-        raise ConfigError(
-            f"max_target_length={config.max_target_length} > sliding_window_size={window}: "
-            "MaxText 0.2.5's autoregressive attention (attention_op.generate_attention_mask) "
-            "applies the sliding window over KV-cache slots, not token positions, so its "
-            "decode would differ from the model the trainer scores once a sequence is longer "
-            f"than the window. Keep max_target_length <= {window} for {config.model_name}.")
 
 
 def per_host_data_parallelism(global_dp: int, num_hosts: int) -> int:
