@@ -1,4 +1,4 @@
-"""The maxtext engine: MaxText's own model in its KV-cache decode modes under our decode loop.
+"""The maxtext engine: MaxText's own model over our page pool, under our paged decode loop.
 
 Per family (tiny shapes, CPU kernels), the engine decodes the trainer's own param tree; its
 greedy tokens are the argmax of MaxText's full forward (the trainer's policy forward) at every
@@ -148,7 +148,6 @@ def test_greedy_decode_is_the_full_forwards_argmax(world):
     # Every family decodes over pages, unscanned: a scanned tree (a uniform stack, gpt-oss's
     # blocks of two layer kinds, Gemma4's blocks of five local and one global layer) is sliced
     # into the engine's layers.
-    assert world.engine.paged
     assert world.engine.unstack == (world.name in ("qwen3", "qwen3_moe", "gpt_oss", "gemma4"))
 
 

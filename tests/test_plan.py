@@ -276,16 +276,14 @@ def test_pool_pages_are_the_engines():
     assert p.engine.pool_pages == 16 * (104 // 8 + 1)
 
 
-def test_dense_engine_keeps_its_per_call_cache():
-    """rollout_engine=maxtext decodes densely: a KV row per slot at the caps, in generate only."""
+def test_maxtext_engine_is_planned_paged():
+    """rollout_engine=maxtext decodes over the page pool too: the same items as the jax engine."""
     cfg = load_config(RECIPE, ["rollout_engine=maxtext"])
     p = plan.plan(cfg, plan.Cluster(2, 1, 24 * GIB), plan.model_config_for(cfg))
-    assert p.engine is None and "KV page pool" not in p.items
-    slots, tokens = 2, 96  # 2 requests per host, each at the caps
-    assert p.items["KV cache"] == slots * tokens * 28 * 2 * 1024 * 2
-    state = p.items["params"] + p.items["optimizer state"] + p.items["engine weights"]
-    assert p.phases["generate"] == state + p.items["KV cache"] + p.items["prompt store"] \
-        + p.items["prefill scratch"]
+    jax_plan = plan.plan(load_config(RECIPE, []), plan.Cluster(2, 1, 24 * GIB),
+                         plan.model_config_for(load_config(RECIPE, [])))
+    assert p.engine is not None and "KV page pool" in p.items and "KV cache" not in p.items
+    assert p.engine.pool_pages == jax_plan.engine.pool_pages
 
 
 @pytest.mark.slow

@@ -339,40 +339,10 @@ def paged_engine_items(cfg: Config, shape: PagedShape, m: ModelShape) -> dict[st
     }
 
 
-def dense_engine_items(cfg: Config, cluster: Cluster, m: ModelShape) -> dict[str, int]:
-    """Per device, for `rollout_engine=maxtext` (`engine.dense_loop`, until MaxText's families
-    decode over pages): weights, and during generate the dense KV cache (a row per slot at the
-    caps), prompt store and prefill scratch of one replica (tensor parallelism splits them)."""
-    tp = cfg.rollout_tensor_parallelism
-    c = DTYPE_BYTES[cfg.dtype]
-    replicas = cluster.devices_per_host // tp
-    requests = -(-cfg.global_rows // cluster.hosts // replicas)
-    prompts = share_prompts(requests, cfg.num_generations)
-    slots = min(pow2_at_least(requests), pow2_at_least(cfg.rollout_max_batch_size))
-    if not cfg.rollout_continuous_batching:
-        slots = min(pow2_at_least(requests), cfg.rollout_max_batch_size)
-    distinct = pow2_at_least(prompts)
-    prompt_len = cfg.max_prefill_predict_length
-    kv_per_token = m.layers * 2 * m.kv_width * c
-    prefill_layer = distinct * prompt_len * (
-        (m.embed + m.q_width + 2 * m.kv_width + 3 * m.mlp) * c
-        + 2 * 4 * m.query_heads * prompt_len)  # dense causal scores and probabilities, fp32
-    return {
-        "engine weights": engine_weight_bytes(cfg, m),
-        "KV cache": slots * (prompt_len + cfg.max_completion_length) * kv_per_token // tp,
-        "prompt store": distinct * (prompt_len * kv_per_token // tp + 4 * m.vocab),
-        "prefill scratch": prefill_layer // tp + slots * 4 * 4 * m.vocab,
-    }
-
-
 def generate_scratch(items: dict[str, int]) -> int:
-    """What generate adds beside the pool. Paged: the prompt logits (loop state) and the
-    larger of a prefill chunk and a decode step, which take turns in one loop iteration. Dense:
-    the cache, the prompt store and the prefill, all made for the call."""
-    if "KV page pool" in items:
-        return items["prompt logits"] + max(items["prefill chunk scratch"],
-                                            items["decode scratch"])
-    return items["KV cache"] + items["prompt store"] + items["prefill scratch"]
+    """What generate adds beside the pool: the prompt logits (loop state) and the larger of a
+    prefill chunk and a decode step, which take turns in one loop iteration."""
+    return items["prompt logits"] + max(items["prefill chunk scratch"], items["decode scratch"])
 
 
 def cpu_host_items(cfg: Config, cluster: Cluster, m: ModelShape) -> dict[str, int]:
@@ -417,9 +387,9 @@ class Plan:
 
 def engine_items(cfg: Config, cluster: Cluster, m: ModelShape
                  ) -> tuple[PagedShape | None, dict[str, int]]:
-    """The engine's shape (None when dense) and its items per device."""
-    if cfg.rollout_engine == "maxtext":
-        return None, dense_engine_items(cfg, cluster, m)
+    """The engine's shape and its items per device (both engines of our loop are paged; the
+    maxtext engine's Gemma4 global layers, with their own kv heads and head dim, are counted at
+    the config's `num_kv_heads` and `head_dim`)."""
     shape = paged_shape(cfg, cluster, m)
     return shape, paged_engine_items(cfg, shape, m)
 

@@ -1,17 +1,13 @@
-"""MaxText's own model in its KV-cache decode modes, as the decode loop's `DecodeModel`.
+"""MaxText's own model as the paged decode loop's `DecodeModel` (`MaxTextPagedModel`).
 
 The model is MaxText's `Transformer`, built from the trainer's MaxText config on a host-local
-mesh, once in prefill mode and once in autoregressive mode, as `maxtext.inference.maxengine`
-builds it; its `nnx.Cache` variables are passed in and out as a pure dict, so the loop owns the
-cache as it owns the Qwen3 one. Per attention layer MaxText keeps a prefill cache (the prompt,
-`max_prefill_predict_length` slots) and an autoregressive ring (`max_target_length -
-max_prefill_predict_length` slots, one write index shared by all rows); segment ids mark the
-valid slots of each row, positions come from the caller, so rows decode at their own positions.
-Admitting a request into a row copies the prompt's prefill cache into the row and clears the
-row's ring segment ids, as maxengine's `insert` does. The ring has one slot per new token of the
-program, and a request feeds at most max_new - 1 tokens back, so wherever the shared index stands
-when it is admitted, it never overwrites its own entries. Prefill runs MaxText's batch-1 prefill
-vectorised over the distinct prompts.
+mesh, in its training mode (no cache variables): MaxText's own embeddings, projections, norms,
+RoPE, MoE and output head, so it is the forward the trainer scores with. Only attention is ours:
+each layer's `AttentionOp` is replaced, per call, by `PagedAttentionOp`, which writes the layer's
+keys and values into our page pool and attends over it (`engine.paged_attention`) with the
+layer's sliding window (by token position), sinks and soft cap; Gemma4's KV-shared layers read
+their donor's pages. It decodes unscanned; `scan_plan` and `unstack_layers` slice a scanned
+tree into layers.
 """
 
 from __future__ import annotations
@@ -28,14 +24,6 @@ from jax.sharding import Mesh, PartitionSpec
 
 from tunix_mcjax.engine.paged_attention import SplitPages
 
-# MaxText 0.2.5's names of its KVCache variables (maxtext/inference/kvcache.py) by what a new
-# request does to them.
-PROMPT_VARS = frozenset({"cached_prefill_key", "cached_prefill_value", "cache_prefill_segment_id",
-                         "cached_prefill_key_scale", "cached_prefill_value_scale"})
-CLEARED_VARS = frozenset({"cache_ar_segment_id", "cached_ar_lengths"})
-RING_VARS = frozenset({"cached_ar_key", "cached_ar_value", "cached_ar_key_scale",
-                       "cached_ar_value_scale", "cache_ar_index"})
-CACHE_BATCH = "cache_batch"
 DECODER, STACKED_LAYERS, LAYER_PREFIX = "decoder", "layers", "layers_"
 TENSOR_AXIS = "tensor"
 
@@ -49,8 +37,8 @@ def local_mesh(config: Any, devices: np.ndarray) -> Mesh:
 
 def decode_config(config: Any, *, batch: int, prompt_len: int, max_new: int,
                   weight_dtype: str | None = None) -> Any:
-    """The trainer's MaxText config with the decode cache's shape: `batch` rows, a prefill cache
-    of `prompt_len` slots and a ring of `max_new` (and the engine's weight dtype)."""
+    """The trainer's MaxText config for the engine's model: its lengths (`prompt_len` prompt
+    tokens, `max_new` new), `batch` rows and the engine's weight dtype."""
     update: dict[str, Any] = {"max_prefill_predict_length": prompt_len,
                               "max_target_length": prompt_len + max_new,
                               "micro_batch_size_to_train_on": batch}
@@ -78,12 +66,6 @@ def abstract_model(config: Any, mesh: Mesh, mode: str) -> nnx.Module:
         model = nnx.eval_shape(create)
     drop_rngs(model)
     return model
-
-
-def _logical_axes(var: nnx.Variable) -> tuple[str, ...]:
-    meta = var.get_metadata()
-    axes = meta.get("out_sharding") or meta.get("sharding") or meta.get("sharding_names") or ()
-    return (axes,) if isinstance(axes, str) else tuple(axes)
 
 
 def param_specs(config: Any, mesh: Mesh) -> dict[tuple[str, ...], tuple[tuple, Any, Any, Any]]:
@@ -215,90 +197,6 @@ def unstack_layers(flat: dict[tuple[str, ...], Any], plan: ScanPlan,
                 layer = _layer_slice(layer, index, axis)
             out[(DECODER, f"{LAYER_PREFIX}{i}", *path[len(prefix):])] = layer
     return out
-
-
-class MaxTextDecodeModel:
-    """`DecodeModel` over MaxText's prefill and autoregressive modes, for the cache shape of
-    `config` (a `decode_config`)."""
-
-    def __init__(self, config: Any, mesh: Mesh):
-        from maxtext.common.common_types import MODEL_MODE_AUTOREGRESSIVE, MODEL_MODE_PREFILL
-
-        self.modes = (MODEL_MODE_PREFILL, MODEL_MODE_AUTOREGRESSIVE)
-        self.rules = config.logical_axis_rules
-        prefill = abstract_model(config, mesh, MODEL_MODE_PREFILL)
-        decode = abstract_model(config, mesh, MODEL_MODE_AUTOREGRESSIVE)
-        self.prefill_graph, _, prefill_cache = nnx.split(prefill, nnx.Param, nnx.Cache)
-        self.decode_graph, _, decode_cache = nnx.split(decode, nnx.Param, nnx.Cache)
-        self.prefill_cache = nnx.to_pure_dict(prefill_cache)
-        self.decode_cache = nnx.to_pure_dict(decode_cache)
-        axes = jax.tree.map(_logical_axes, decode_cache,
-                            is_leaf=lambda v: isinstance(v, nnx.Variable))
-        self.batch_axes = jax.tree.map(
-            lambda a: a.index(CACHE_BATCH) if CACHE_BATCH in a else -1,
-            nnx.to_pure_dict(axes), is_leaf=lambda a: isinstance(a, tuple))
-        unknown = {_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(self.decode_cache)[0]}
-        unknown -= PROMPT_VARS | CLEARED_VARS | RING_VARS
-        if unknown:
-            raise ValueError(f"MaxText's decode cache has variables the maxtext engine does not "
-                             f"know how to fill for a new request: {sorted(unknown)}")
-
-    def _run(self, graph: Any, params: Any, cache: Any, tokens: jax.Array, positions: jax.Array,
-             mode: str, segment_ids: jax.Array | None = None) -> tuple[jax.Array, Any]:
-        model = nnx.merge(graph, params, cache, copy=True)
-        with nn_partitioning.axis_rules(self.rules):
-            logits = model(tokens, positions, decoder_segment_ids=segment_ids, model_mode=mode,
-                           enable_dropout=False)
-        return logits.astype(jnp.float32), nnx.to_pure_dict(nnx.state(model, nnx.Cache))
-
-    def prefill(self, params, prompts, lengths):
-        """One prompt at a time as MaxText's prefill runs (batch 1: its scanned blocks carry a
-        batch-1 cache), vectorised over prompts: store leaves are [U, *batch-1 cache leaf]."""
-        t = prompts.shape[1]
-        positions = jnp.arange(t, dtype=jnp.int32)[None]
-        empty = jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype), self.prefill_cache)
-
-        def one(tokens, length):
-            segment_ids = (positions < length).astype(jnp.int32)
-            logits, cache = self._run(self.prefill_graph, params, empty, tokens[None], positions,
-                                      self.modes[0], segment_ids)
-            return logits[0, length - 1], cache
-
-        return jax.vmap(one)(prompts, lengths)
-
-    def rows(self, store, prompt_ids):
-        def row_leaf(path, template, stored, axis):
-            if _name(path) in PROMPT_VARS:
-                picked = jnp.take(stored, prompt_ids, axis=0)
-                return jnp.squeeze(jnp.moveaxis(picked, 0, axis + 1), axis)
-            return jnp.zeros(template.shape, template.dtype)
-
-        return jax.tree_util.tree_map_with_path(row_leaf, self.decode_cache, store,
-                                                self.batch_axes)
-
-    def admit(self, cache, store, slot, prompt):
-        def admit_leaf(path, current, stored, axis):
-            name = _name(path)
-            if name in PROMPT_VARS:
-                row = jax.lax.dynamic_index_in_dim(stored, prompt, 0, keepdims=False)
-            elif name in CLEARED_VARS:
-                row = jnp.zeros_like(jax.lax.dynamic_index_in_dim(current, 0, axis, keepdims=True))
-            else:
-                return current
-            return jax.lax.dynamic_update_index_in_dim(current, row.astype(current.dtype), slot,
-                                                       axis)
-
-        return jax.tree_util.tree_map_with_path(admit_leaf, cache, store, self.batch_axes)
-
-    def decode_step(self, params, cache, tokens, positions):
-        logits, cache = self._run(self.decode_graph, params, cache, tokens[:, None],
-                                  positions[:, None], self.modes[1])
-        return logits[:, 0], cache
-
-
-def _name(path: tuple) -> str:
-    last = path[-1]
-    return str(getattr(last, "key", last))
 
 
 # ----- MaxText's model over our page pool ------------------------------------------------------
