@@ -239,6 +239,18 @@ class PagedAttentionOp:
         return out.astype(query.dtype)
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _AtColumns:
+    """MaxText's decoder output head on one column per row of the final hidden states."""
+
+    head: Any
+    columns: jax.Array
+
+    def __call__(self, shared_embedding, y, *args, **kwargs):
+        y = y[jnp.arange(y.shape[0]), self.columns][:, None]
+        return self.head(shared_embedding, y, *args, **kwargs)
+
+
 def _layer_index(path: tuple) -> int | None:
     for key in path:
         name = str(key)
@@ -369,11 +381,13 @@ class MaxTextPagedModel:
         for (_, attn), layer in zip(attention_layers(model), self.layers, strict=True):
             attn.attention_op = PagedAttentionOp(call, layer.slot, layer.writes, layer.window,
                                                  layer.soft_cap)
+        # Only each row's logit column goes through the output head: [R, V], not [R, C, V].
+        decoder = model.decoder
+        decoder.apply_output_head = _AtColumns(decoder.apply_output_head, rows.logit_cols)
         with nn_partitioning.axis_rules(self.rules):
             logits = model(rows.tokens, rows.positions, decoder_segment_ids=None,
                            model_mode=self.mode, enable_dropout=False)
-        logits = logits[jnp.arange(rows.tokens.shape[0]), rows.logit_cols]
-        return logits.astype(jnp.float32), self._shard(call.pool)
+        return logits[:, 0].astype(jnp.float32), self._shard(call.pool)
 
     def copy_page(self, pool: list[Any], source: jax.Array, target: jax.Array) -> list[Any]:
         return [self.layout.copy_page(layer, source, target) for layer in pool]
