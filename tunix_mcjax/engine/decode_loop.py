@@ -483,10 +483,13 @@ def initial_state(shape: ProgramShape, inp: Inputs, pool: Any, vocab: int) -> Lo
 
 def iteration(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
               masked_id: int | None, params: Any, inp: Inputs, state: LoopState) -> LoopState:
-    """Prefill, admit, decode; `stalled` when none of them moved anything."""
+    """Prefill and admit (when a row is free and a request waits), then decode; `stalled`
+    when none of them moved anything."""
     before = (state.prefill_steps, state.admissions, jnp.sum(state.out_lengths))
-    state = prefill_phase(model, shape, params, inp, state)
-    state = admit_phase(model, shape, spec, masked_id, inp, state)
+    room = jnp.any(~state.active) & jnp.any(~state.done & ~state.running)
+    state = jax.lax.cond(room, lambda s: admit_phase(
+        model, shape, spec, masked_id, inp, prefill_phase(model, shape, params, inp, s)),
+        lambda s: s, state)
     state = jax.lax.cond(
         jnp.any(state.active),
         lambda s: decode_phase(model, shape, spec, masked_id, params, inp, s),
