@@ -141,7 +141,8 @@ class CombinedPages:
         return P(pages_axis, None, "tp", None)
 
     def write(self, layer, pages, offsets, k, v):
-        kv = jnp.stack([k, finite_values(v)], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
+        kv = jnp.stack([k, finite_values(v)], axis=-2)  # [..., K, 2, H]: k, v alternate
+        kv = kv.reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
         return layer.at[pages, offsets].set(kv.astype(layer.dtype), mode="drop")
 
     def copy_page(self, layer, source, target):
