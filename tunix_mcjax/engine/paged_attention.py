@@ -104,7 +104,8 @@ class SplitPages:
         return put(layer[0], k), put(layer[1], finite_values(v))
 
     def copy_page(self, layer, source, target):
-        return tuple(x.at[:, target].set(x[:, source]) for x in layer)
+        """Pages `target` hold pages `source` (ids; a target past the pool is dropped)."""
+        return tuple(x.at[:, target].set(x[:, source], mode="drop") for x in layer)
 
     def sequences(self, layer, tables, num_pages: int):
         """Each row's keys and values [K, R, num_pages * page_size, H] from its first
@@ -146,7 +147,7 @@ class CombinedPages:
         return layer.at[pages, offsets].set(kv.astype(layer.dtype), mode="drop")
 
     def copy_page(self, layer, source, target):
-        return layer.at[target].set(layer[source])
+        return layer.at[target].set(layer[source], mode="drop")
 
     def sequences(self, layer, tables, num_pages: int):
         """Each row's keys and values [K, R, num_pages * page_size, H] (as SplitPages')."""
