@@ -92,3 +92,10 @@ def test_every_key_has_a_description():
     missing = [k for k, f in FIELDS.items() if not f.metadata.get("doc")]
     assert not missing, f"keys declared without key(default, doc): {missing}"
 
+
+def test_key_reference_page_is_what_the_generator_writes():
+    from tunix_mcjax.config import reference
+
+    assert reference.PAGE.read_text() == reference.render(), (
+        "docs/configuration-reference.md is out of date: "
+        "run python -m tunix_mcjax.config.reference")

@@ -3,7 +3,7 @@
 - `fields`: how a key is declared (type, default, description, constraint);
 - `sections`: the keys, grouped by concern;
 - `core`: `Config` and `load_config`; `rules`: the cross-key rules;
-- `fingerprint`: what a checkpoint depends on.
+- `fingerprint`: what a checkpoint depends on; `reference`: writes the docs' key reference.
 """
 
 from tunix_mcjax.config.core import (
