@@ -90,7 +90,7 @@ def test_every_key_has_a_description():
     from tunix_mcjax.config.core import FIELDS
 
     missing = [k for k, f in FIELDS.items() if not f.metadata.get("doc")]
-    assert not missing, f"keys declared without key(default, doc): {missing}"
+    assert not missing, f"keys without a description: {missing}"
 
 
 def test_key_reference_page_is_what_the_generator_writes():

@@ -106,7 +106,7 @@ def check_value(field: dataclasses.Field, hint: Any, value: Any) -> None:
     allowed = choices(hint)
     if allowed and value not in allowed:
         raise ConfigError(f"{field.name}={value!r} is not one of {', '.join(allowed)}")
-    check = field.metadata.get("check")
+    check = field.metadata["check"]
     if check and not check.ok(value):
         raise ConfigError(f"{field.name} must be {check.text}, got {value}. "
                           f"Example: {field.name}={field.default!r}")

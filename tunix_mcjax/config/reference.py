@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import inspect
 import sys
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +36,7 @@ def type_text(hint: Any, field: dataclasses.Field) -> str:
     allowed = choices(hint)
     if allowed:
         return " \\| ".join(code(v) for v in allowed)
-    name = "list of str" if getattr(hint, "__origin__", None) is tuple else hint.__name__
+    name = "list of str" if typing.get_origin(hint) is tuple else hint.__name__
     check = field.metadata["check"]
     return f"{name}, {check.bound}" if check else name
 
