@@ -22,16 +22,17 @@ from tunix_mcjax import launch
 from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.runtime import disaggregated
 from tunix_mcjax.runtime.disaggregated import Cluster, training_steps
-from tunix_mcjax.runtime.ray_cluster import ActorFailed
+from tunix_mcjax.runtime.ray_cluster import HOST_RESOURCE, ActorFailed
 
 SMALL = [*TINY, "batch_size=4", "num_generations=4", "rl_runtime=mcjax_da"]
 DEAD_ACTOR_BUDGET_S = 60
+OVERFLOWS = "reward_functions=tests.workers.bad_rewards:overflows_after_first_step"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=4, object_store_memory=256 << 20, include_dashboard=False,
-             configure_logging=False)
+    ray.init(num_cpus=4, resources={HOST_RESOURCE: 4}, object_store_memory=256 << 20,
+             include_dashboard=False, configure_logging=False)
     yield
     ray.shutdown()
 
@@ -86,6 +87,24 @@ def test_demo_on_half_the_hosts_learns_in_ten_steps(tmp_path):
     assert summary["steps"] == 10 and summary["trainer_hosts"] == summary["rollout_hosts"] == 1
     assert np.mean(reward[-3:]) > np.mean(reward[:3])
     assert np.polyfit(np.arange(10), reward, 1)[0] > 0
+
+
+def test_skipped_nonfinite_update_publishes_nothing_new(tmp_path):
+    """From step 1 on the rewards overflow and the loss is NaN: the skipped updates keep v1,
+    put no new object, and the next batch is generated with v1's object again."""
+    cfg = config(tmp_path, "steps=4", "max_nonfinite_steps=5", OVERFLOWS)
+    cluster = Cluster.start(cfg, hosts=2, devices_per_host=1)
+    try:
+        records = list(training_steps(cfg, cluster))
+    finally:
+        cluster.close()
+    assert [r["finite"] for r in records] == [1.0, 0.0, 0.0, 0.0]
+    assert [r["nonfinite_steps"] for r in records] == [0, 1, 2, 3]
+    assert [r["version"] for r in records] == [1, 1, 1, 1]
+    assert [r["puts"] for r in records] == [2, 2, 2, 2]  # v0 and v1, nothing after
+    assert [r["batch_versions"] for r in records] == [[0], [0], [1], [1]]
+    objects = [r["weights_objects"][0] for r in records]
+    assert objects[0] == objects[1] != objects[2] == objects[3]
 
 
 def lora_publish_bytes(cfg) -> tuple[int, int]:

@@ -221,6 +221,10 @@ class Config:
     # Size of the object store of the local Ray cluster the launcher starts (MiB); it holds one
     # published copy of the weights per version in flight and the rollout batches.
     rl_ray_object_store_mb: int = 512
+    # Ray cluster the driver joins ("auto", "HEAD_IP:6379", "ray://HEAD_IP:10001"): one actor
+    # per node that offers the "mcjax_host" resource. "": RAY_ADDRESS when set, else the
+    # launcher starts a local cluster of its own (development).
+    rl_ray_address: str = ""
     # --- end disaggregated mode ---
 
     # --- Tunix adapter (tunix_mcjax/tunix: Tunix's grpo_main under rl_runtime=mcjax) ---
@@ -317,7 +321,7 @@ RUNTIME_ONLY_KEYS = frozenset({
     "rollout_continuous_batching", "rollout_max_batch_size", "rollout_data_parallelism",
     "fsdp_gather_params_once", "num_test_batches", "eval_interval", "profiler",
     "skip_first_n_steps_for_profiler", "profiler_steps", "enable_tensorboard",
-    "rl_rollout_restarts", "rl_ray_object_store_mb",
+    "rl_rollout_restarts", "rl_ray_object_store_mb", "rl_ray_address",
     "checkpoint_directory", "eval_schedule",
     "hbm_utilization_vllm", "max_num_batched_tokens", "vllm_block_size", "enable_prefix_caching",
     "free_kv_cache_during_weight_sync",
@@ -506,7 +510,8 @@ def _validate_kv_pool(cfg: Config) -> None:
 
 
 # --- Disaggregated mode ---
-DA_KEYS = ("rl_trainer_hosts_fraction", "rl_rollout_restarts", "rl_ray_object_store_mb")
+DA_KEYS = ("rl_trainer_hosts_fraction", "rl_rollout_restarts", "rl_ray_object_store_mb",
+           "rl_ray_address")
 DA_SPLITS = (0.5, 0.25, 0.125)
 # What rl_runtime=mcjax_da does not do (yet), with the fix.
 DA_REFUSED = {

@@ -1,8 +1,10 @@
 """LoCoJAX-DA: trainer hosts and rollout hosts apart, on Ray, one step stale (paper §2, §4.4).
 
-The driver (this process; `python -m tunix_mcjax.launch ... rl_runtime=mcjax_da`) starts a
-local Ray cluster, H x rl_trainer_hosts_fraction trainer actors (one jax.distributed group, the
-colocated mode's FSDP train step) and the rest as rollout actors (one engine each). Schedule:
+The driver (this process; `python -m tunix_mcjax.launch ... rl_runtime=mcjax_da`) joins a Ray
+cluster (rl_ray_address or RAY_ADDRESS; else it starts a local one), places one actor per host
+(`ray_cluster.Placement`), H x rl_trainer_hosts_fraction trainer actors (one jax.distributed
+group, the colocated mode's FSDP train step) and the rest as rollout actors (one engine each).
+Schedule:
 
     publish v0; rollout batch 0 with v0
     step t: trainers apply batch t to v_t (-> v_t+1, published)  ||  rollouts make batch t+1
@@ -15,7 +17,8 @@ Eq. 4's max(rollout + weight load, train + publish).
 
 Faults: a dead trainer actor ends the run at once, named; a dead rollout actor too, unless
 `rl_rollout_restarts` allows a new one, which regenerates the lost batch with the same version
-and seed. A step's update is recorded only once every trainer finished it.
+and seed. A step's update is recorded only once every trainer finished it. A skipped
+(non-finite) update publishes nothing: the version and its object stay the last applied one.
 """
 
 from __future__ import annotations
@@ -29,15 +32,16 @@ from collections.abc import Iterator
 import numpy as np
 import ray
 
-from tunix_mcjax import launch, metrics
+from tunix_mcjax import metrics
 from tunix_mcjax.config import Config
 from tunix_mcjax.runtime import ray_cluster, reporting
 from tunix_mcjax.runtime.ray_actors import RolloutWorker, TrainerWorker
 from tunix_mcjax.runtime.recovery import NonFinitePolicy
 
 # What a step record repeats from the trainer leader's result.
-TRAIN_FIELDS = ("trained_on", "batch_versions", "trainer_processes", "puts", "publish_bytes",
-                "rows_per_device", "loss", "grad_norm", "kl", "kl_loss", "finite")
+TRAIN_FIELDS = ("trained_on", "version", "batch_versions", "trainer_processes", "puts",
+                "publish_bytes", "rows_per_device", "loss", "grad_norm", "kl", "kl_loss",
+                "finite", "trainer_nodes")
 
 
 @dataclasses.dataclass
@@ -46,28 +50,38 @@ class Cluster:
 
     cfg: Config
     devices_per_host: int
+    placement: ray_cluster.Placement
     trainers: list
     rollouts: list
     restarts: list[int] = dataclasses.field(default_factory=list)  # per rollout actor
 
     @classmethod
     def start(cls, cfg: Config, hosts: int, devices_per_host: int) -> Cluster:
+        """Trainers on bundles 0..T-1 (one jax.distributed group, coordinator on bundle 0's
+        node), rollouts on the rest: one host each."""
         num_trainers, num_rollouts = cfg.disaggregated_split(hosts)
-        port = launch.free_port()
-        trainers = [ray_cluster.spawn(TrainerWorker, ray_cluster.actor_env(
-            devices_per_host, rank, num_trainers, port), cfg, rank)
+        placement = ray_cluster.Placement.create(hosts, cfg.collective_timeout_s)
+        try:
+            coordinator = placement.coordinator(cfg.compile_timeout_s)
+        except BaseException:
+            placement.remove()
+            raise
+        trainers = [ray_cluster.spawn(TrainerWorker, placement, rank, ray_cluster.actor_env(
+            devices_per_host, rank, num_trainers, coordinator), cfg, rank)
             for rank in range(num_trainers)]
-        cluster = cls(cfg, devices_per_host, trainers, [])
+        cluster = cls(cfg, devices_per_host, placement, trainers, [])
         cluster.rollouts = [cluster._rollout(r, num_rollouts) for r in range(num_rollouts)]
         cluster.restarts = [0] * num_rollouts
         return cluster
 
     def _rollout(self, index: int, num_rollouts: int):
         env = ray_cluster.actor_env(self.devices_per_host)
-        return ray_cluster.spawn(RolloutWorker, env, self.cfg, index, num_rollouts)
+        return ray_cluster.spawn(RolloutWorker, self.placement, len(self.trainers) + index, env,
+                                 self.cfg, index, num_rollouts)
 
     def close(self) -> None:
         ray_cluster.kill(self.trainers + self.rollouts)
+        self.placement.remove()
 
     def wait(self, calls: dict, what: str, compiles: bool) -> dict:
         cfg = self.cfg
@@ -122,9 +136,10 @@ class Cluster:
         """The leader's result with every trainer's batch versions, once all applied the
         update."""
         out = self.wait(calls, f"train step {step}", compiles=step <= 1)
-        versions = [v for r in range(len(self.trainers)) for v in out[f"trainer-{r}"][
-            "batch_versions"]]
-        return {**out["trainer-0"], "batch_versions": versions}
+        ranks = range(len(self.trainers))
+        versions = [v for r in ranks for v in out[f"trainer-{r}"]["batch_versions"]]
+        return {**out["trainer-0"], "batch_versions": versions,
+                "trainer_nodes": [out[f"trainer-{r}"]["node_id"] for r in ranks]}
 
 
 def training_steps(cfg: Config, cluster: Cluster) -> Iterator[dict]:
@@ -160,15 +175,27 @@ def step_record(step: int, rollouts: list[dict], train: dict, restarts: int,
         staleness=[train["trained_on"] - v for v in train["batch_versions"]],
         weights_objects=[r["weights_object"] for r in rollouts],
         weight_load_s=max(r["load_s"] for r in rollouts), rollout_restarts=restarts,
+        rollout_nodes=[r["node_id"] for r in rollouts],
         nonfinite_steps=nonfinite_steps,
         **{k: train[k] for k in TRAIN_FIELDS if k in train})
     return rec
 
 
-def run(cfg: Config, hosts: int, devices_per_host: int) -> dict:
-    """The whole run from this driver; writes steps.jsonl and summary.json, returns the summary.
-    Raises `ray_cluster.ActorFailed` naming the actor that ended it."""
-    started = ray_cluster.start_local(hosts, cfg.rl_ray_object_store_mb)
+def run(cfg: Config, hosts: int | None, devices_per_host: int) -> dict:
+    """The whole run from this driver on `hosts` hosts (None: every host the cluster offers);
+    writes steps.jsonl and summary.json, returns the summary. Raises `ray_cluster.ActorFailed`
+    naming the actor that ended it, ConfigError when the cluster cannot hold the run."""
+    connected = ray_cluster.connect(cfg, hosts or 2)
+    try:
+        hosts = hosts or ray_cluster.cluster_hosts()
+        cfg.validate_topology(hosts, devices_per_host)
+        return _run(cfg, hosts, devices_per_host)
+    finally:
+        if connected:
+            ray.shutdown()
+
+
+def _run(cfg: Config, hosts: int, devices_per_host: int) -> dict:
     records: list[dict] = []
     log = metrics.JsonlSink(cfg.run_dir / "steps.jsonl")
     tensorboard = metrics.TensorBoard(cfg.run_dir / "tensorboard", cfg.log_period) \
@@ -188,8 +215,6 @@ def run(cfg: Config, hosts: int, devices_per_host: int) -> dict:
         log.close()
         if tensorboard is not None:
             tensorboard.close()
-        if started:
-            ray.shutdown()
     return write_summary(cfg, records, hosts, devices_per_host)
 
 
@@ -217,6 +242,8 @@ def write_summary(cfg: Config, records: list[dict], hosts: int, devices_per_host
         "compiled_steps": int(sum(r["compiled"] for r in records)),
         "rollout_restarts": records[-1]["rollout_restarts"],
         "nonfinite_steps": records[-1]["nonfinite_steps"],
+        "actor_nodes": {**{f"trainer-{r}": n for r, n in enumerate(records[-1]["trainer_nodes"])},
+                        **{f"rollout-{r}": n for r, n in enumerate(records[-1]["rollout_nodes"])}},
     }
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(reporting.summary_table(summary), flush=True)

@@ -10,7 +10,8 @@ running the shared phases (`runtime.phases`) of its side of the step.
   publish: the leader `ray.put`s one host copy of the new weights, once per version; every
   rollout actor fetches that one object. With LoRA only the first publish is the whole tree;
   later ones are the adapters, and a rollout actor without the base (a restarted one) fetches
-  the first object too.
+  the first object too. An update skipped as non-finite changed nothing, so it publishes
+  nothing: the version and its object stay the last published ones.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ from tunix_mcjax.runtime.stepmath import LengthHistory
 from tunix_mcjax.tasks import load_task
 from tunix_mcjax.tokenizer import load_tokenizer
 from tunix_mcjax.trainer import Trainer
+
+
+def node_id() -> str:
+    """The Ray node this actor runs on."""
+    return ray.get_runtime_context().get_node_id()
 
 
 def host_copy(tree: Any) -> Any:
@@ -95,7 +101,7 @@ class RolloutWorker:
                                compiled=self.engine.compile_count > programs, rows_per_device=0,
                                train_compiled=False).to_json()
         return rollout, {**record, "load_s": timer.seconds["load"],
-                         "weights_object": self.weights_object}
+                         "weights_object": self.weights_object, "node_id": node_id()}
 
 
 class TrainerWorker:
@@ -116,6 +122,7 @@ class TrainerWorker:
                                   out_shardings=NamedSharding(self.mesh, PartitionSpec()))
         self.version, self.puts = 0, 0
         self.base: ray.ObjectRef | None = None  # the first publish, held while the run lasts
+        self.published: dict | None = None  # the last publish, what a skipped update repeats
 
     def __repr__(self) -> str:
         return f"trainer-{self.rank}"
@@ -142,11 +149,13 @@ class TrainerWorker:
                     self.base = weights[0]
                 if adapters_only:
                     weights.append(self.base)
-        return {"version": self.version, "weights": weights, "puts": self.puts,
-                "publish_bytes": tree_bytes(params), "publish_s": time.perf_counter() - t0}
+        self.published = {"version": self.version, "weights": weights, "puts": self.puts,
+                          "publish_bytes": tree_bytes(params)}
+        return {**self.published, "publish_s": time.perf_counter() - t0}
 
     def train(self, step: int, *rollouts: Rollout) -> dict:
-        """Update `step` (version v -> v+1) on this trainer's rollouts, then publish v+1."""
+        """Update `step` (version v -> v+1) on this trainer's rollouts, then publish v+1; a
+        skipped update keeps v and publishes nothing."""
         timer, local_devices = metrics.PhaseTimer(), len(self.topo.local_devices)
         with timer.phase("pack"):
             local, everyone = phases.pack(self.cfg, [s for r in rollouts for s in r.sequences()],
@@ -154,10 +163,15 @@ class TrainerWorker:
         k = everyone.rows_per_device(local_devices)
         with timer.phase("train"):
             result = self.train_phase(local, k)
-        trained_on, self.version = self.version, self.version + 1
+        trained_on = self.version
+        if result.applied:
+            self.version += 1
+            published = self.publish()
+        else:  # params and optimizer state are as they were: v_t is still the policy
+            published = {**self.published, "publish_s": 0.0}
         if step == 0 and self.cfg.rl_gc_freeze_after_warmup:
             freeze_gc()
-        return {**result.metrics, **self.publish(), "trained_on": trained_on,
+        return {**result.metrics, **published, "trained_on": trained_on, "node_id": node_id(),
                 "batch_versions": [r.policy_version for r in rollouts],
                 "trainer_processes": self.topo.num_hosts, "rows_per_device": k,
                 "pack_s": timer.seconds["pack"], "train_s": timer.seconds["train"],
