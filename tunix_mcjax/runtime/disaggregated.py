@@ -66,6 +66,9 @@ class Cluster:
         except BaseException:
             placement.remove()
             raise
+        print(f"mcjax_da: {num_trainers} trainer and {num_rollouts} rollout hosts on "
+              f"{'one node per host' if placement.spread else 'this node'}; trainers' "
+              f"jax.distributed coordinator {coordinator[0]}:{coordinator[1]}", flush=True)
         trainers = [ray_cluster.spawn(TrainerWorker, placement, rank, ray_cluster.actor_env(
             devices_per_host, rank, num_trainers, coordinator), cfg, rank)
             for rank in range(num_trainers)]
