@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -23,6 +24,7 @@ from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.runtime import disaggregated
 from tunix_mcjax.runtime.disaggregated import Cluster, training_steps
 from tunix_mcjax.runtime.ray_cluster import HOST_RESOURCE, ActorFailed
+from tunix_mcjax.runtime.recovery import Preempted
 
 SMALL = [*TINY, "batch_size=4", "num_generations=4", "rl_runtime=mcjax_da"]
 DEAD_ACTOR_BUDGET_S = 60
@@ -107,6 +109,34 @@ def test_skipped_nonfinite_update_publishes_nothing_new(tmp_path):
     assert objects[0] == objects[1] != objects[2] == objects[3]
 
 
+def test_stop_saves_the_step_just_applied_and_a_new_driver_resumes_after_it(tmp_path):
+    """The driver's SIGTERM sets `stop`: the trainers save update 1 and the run raises
+    Preempted; a new cluster's trainers restore it and the schedule goes on from step 2 with
+    v2, its pipeline refilled."""
+    cfg = config(tmp_path, "steps=4", "enable_checkpointing=true", "checkpoint_period=100")
+    stop = threading.Event()
+    cluster = Cluster.start(cfg, hosts=2, devices_per_host=1)
+    try:
+        steps = training_steps(cfg, cluster, stop)
+        first = [next(steps), next(steps)]
+        stop.set()
+        with pytest.raises(Preempted, match="stopped after step 1; the last good checkpoint "
+                                              "is step 1"):
+            next(steps)
+    finally:
+        cluster.close()
+    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["1"]
+    cluster = Cluster.start(cfg, hosts=2, devices_per_host=1)
+    try:
+        resumed = list(training_steps(cfg, cluster))
+    finally:
+        cluster.close()
+    assert [r["step"] for r in first + resumed] == [0, 1, 2, 3]
+    assert [r["trained_on"] for r in resumed] == [2, 3]
+    assert [r["batch_versions"] for r in resumed] == [[2], [2]]
+    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["1", "3"]
+
+
 def lora_publish_bytes(cfg) -> tuple[int, int]:
     """(bytes of the whole engine tree, of its LoRA adapters) for `cfg`'s model."""
     from flax import nnx
@@ -159,7 +189,7 @@ def test_dead_rollout_restarted_once_then_ends_the_run_within_60s(tmp_path):
     (["rl_trainer_hosts_fraction=0.125", "batch_size=4"], 8, "without a prompt"),
     (["rl_trainer_hosts_fraction=0.25", "rl_balance_prompts_by_length=true"], 4,
      "does not divide by the 3 rollout"),
-    (["enable_checkpointing=true"], 2, "cannot honour enable_checkpointing"),
+    (["profiler=xplane"], 2, "cannot honour profiler"),
 ])
 def test_bad_splits_and_unsupported_keys_are_refused(tmp_path, overrides, hosts, message):
     with pytest.raises(ConfigError, match=message):

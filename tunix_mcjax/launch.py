@@ -146,12 +146,16 @@ def main(argv: list[str] | None = None) -> int:
 def launch_disaggregated(cfg, hosts: int | None, devices: int) -> int:
     """rl_runtime=mcjax_da: this process is the Ray driver, of the cluster at rl_ray_address or
     RAY_ADDRESS (`hosts` None: every host it offers), else of a local cluster it starts.
-    SIGTERM (Ray's driver handler exits through SystemExit) and Ctrl-C leave through the
-    driver's own cleanup too: every actor killed, its placement group removed."""
-    from tunix_mcjax.runtime import disaggregated, ray_cluster
+    SIGTERM ends it after the step in flight, saved when checkpointing is on: exit 143. Ctrl-C
+    leaves through the driver's own cleanup too: every actor killed, its placement group
+    removed."""
+    from tunix_mcjax.runtime import disaggregated, ray_cluster, recovery
 
     try:
         disaggregated.run(cfg, hosts, devices)
+    except recovery.Preempted as e:
+        print(e, file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
     except ray_cluster.ActorFailed as e:
         print(f"launch: {e}; the run is stopped", file=sys.stderr, flush=True)
         return 1

@@ -25,7 +25,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 
@@ -36,7 +38,7 @@ from tunix_mcjax import metrics
 from tunix_mcjax.config import Config
 from tunix_mcjax.runtime import ray_cluster, reporting
 from tunix_mcjax.runtime.ray_actors import RolloutWorker, TrainerWorker
-from tunix_mcjax.runtime.recovery import NonFinitePolicy
+from tunix_mcjax.runtime.recovery import NonFinitePolicy, Preempted
 
 # What a step record repeats from the trainer leader's result.
 TRAIN_FIELDS = ("trained_on", "version", "batch_versions", "trainer_processes", "puts",
@@ -54,6 +56,7 @@ class Cluster:
     trainers: list
     rollouts: list
     restarts: list[int] = dataclasses.field(default_factory=list)  # per rollout actor
+    first_step: int = 0  # 0, or the step after the checkpoint the trainers resumed from
 
     @classmethod
     def start(cls, cfg: Config, hosts: int, devices_per_host: int) -> Cluster:
@@ -91,6 +94,23 @@ class Cluster:
         timeout = cfg.compile_timeout_s if compiles else cfg.collective_timeout_s
         return ray_cluster.wait_all(calls, timeout, what)
 
+    def resumed(self) -> dict:
+        """Where the trainers start (`TrainerWorker.resumed`); sets `first_step`."""
+        out = self.wait({f"trainer-{r}": t.resumed.remote() for r, t in enumerate(self.trainers)},
+                        "restore", compiles=True)["trainer-0"]
+        self.first_step = out["start_step"]
+        return out
+
+    def save(self, step: int, nonfinite_steps: int) -> str:
+        """Every trainer saves the state after update `step`; what was last saved."""
+        return self.wait({f"trainer-{r}": t.save.remote(step, nonfinite_steps)
+                          for r, t in enumerate(self.trainers)},
+                         f"checkpoint step {step}", compiles=False)["trainer-0"]
+
+    def close_checkpoints(self) -> None:
+        self.wait({f"trainer-{r}": t.close_checkpoints.remote()
+                   for r, t in enumerate(self.trainers)}, "checkpoint close", compiles=False)
+
     def publish_first(self) -> dict:
         out = self.wait({f"trainer-{r}": t.publish.remote() for r, t in enumerate(self.trainers)},
                         "publish", compiles=True)
@@ -106,7 +126,7 @@ class Cluster:
                 ) -> tuple[list, list[dict]]:
         """(batch refs, records) of step `step`; a dead rollout actor is replaced while restarts
         last, and its batch regenerated with the same version and seed."""
-        compiles = step <= 1
+        compiles = step <= self.first_step + 1
         while True:
             try:
                 records = self.wait({f"rollout-{r}": refs[1] for r, refs in pending.items()},
@@ -138,21 +158,28 @@ class Cluster:
     def finish_train(self, step: int, calls: dict) -> dict:
         """The leader's result with every trainer's batch versions, once all applied the
         update."""
-        out = self.wait(calls, f"train step {step}", compiles=step <= 1)
+        out = self.wait(calls, f"train step {step}", compiles=step <= self.first_step + 1)
         ranks = range(len(self.trainers))
         versions = [v for r in ranks for v in out[f"trainer-{r}"]["batch_versions"]]
         return {**out["trainer-0"], "batch_versions": versions,
                 "trainer_nodes": [out[f"trainer-{r}"]["node_id"] for r in ranks]}
 
 
-def training_steps(cfg: Config, cluster: Cluster) -> Iterator[dict]:
-    """The one-step-stale schedule; yields each step's global record once it is applied."""
+def training_steps(cfg: Config, cluster: Cluster, stop: threading.Event | None = None
+                   ) -> Iterator[dict]:
+    """The one-step-stale schedule from the trainers' resume step; yields each step's global
+    record once it is applied. Checkpoints are saved every checkpoint_period steps and at the
+    last; once `stop` is set (the driver's SIGTERM), at the step just applied, and then
+    `Preempted` is raised."""
+    resumed = cluster.resumed()
+    last_checkpoint = resumed["checkpoint"]
     published = cluster.publish_first()
     version, weights = published["version"], published["weights"]  # the last published
     behaviour = (version, weights)  # the version the pending batch is generated with
-    pending = cluster.generate(0, *behaviour)
+    pending = cluster.generate(cluster.first_step, *behaviour)
     nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps)
-    for step in range(cfg.steps):
+    nonfinite.count = resumed["nonfinite_steps"]
+    for step in range(cluster.first_step, cfg.steps):
         start = time.perf_counter()
         batches, rollouts = cluster.collect(step, pending, *behaviour)
         training = cluster.train(step, batches)  # update t: v_t -> v_t+1 ...
@@ -160,10 +187,21 @@ def training_steps(cfg: Config, cluster: Cluster) -> Iterator[dict]:
             behaviour = (version, weights)
             pending = cluster.generate(step + 1, *behaviour)
         train = cluster.finish_train(step, training)
-        nonfinite.applied(step, train, "checkpointing is off under rl_runtime=mcjax_da")
+        nonfinite.applied(step, train, last_checkpoint)
         version, weights = train["version"], train["weights"]
         yield step_record(step, rollouts, train, sum(cluster.restarts), nonfinite.count,
                           time.perf_counter() - start)
+        preempted = stop is not None and stop.is_set()
+        if cfg.enable_checkpointing and (preempted or step == cfg.steps - 1
+                                         or (step + 1) % cfg.checkpoint_period == 0):
+            last_checkpoint = cluster.save(step, nonfinite.count)
+        if preempted:
+            if cfg.enable_checkpointing:
+                cluster.close_checkpoints()
+            raise Preempted(f"mcjax_da: SIGTERM to the driver; stopped after step {step}; "
+                            f"{last_checkpoint}. Rerun the same command to resume.")
+    if cfg.enable_checkpointing:
+        cluster.close_checkpoints()
 
 
 def step_record(step: int, rollouts: list[dict], train: dict, restarts: int,
@@ -199,13 +237,18 @@ def run(cfg: Config, hosts: int | None, devices_per_host: int) -> dict:
 
 
 def _run(cfg: Config, hosts: int, devices_per_host: int) -> dict:
-    records: list[dict] = []
-    log = metrics.JsonlSink(cfg.run_dir / "steps.jsonl")
     tensorboard = metrics.TensorBoard(cfg.run_dir / "tensorboard", cfg.log_period) \
         if cfg.enable_tensorboard else None
     cluster = Cluster.start(cfg, hosts, devices_per_host)
+    log, stop = None, threading.Event()
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set()) if on_main else None
     try:
-        for rec in training_steps(cfg, cluster):
+        steps = training_steps(cfg, cluster, stop)
+        for rec in steps:
+            if log is None:  # the trainers have said where the run starts
+                log = metrics.JsonlSink(cfg.run_dir / "steps.jsonl", cluster.first_step)
+                records = list(log.kept)
             records.append(rec)
             log(rec)
             if tensorboard is not None:
@@ -214,8 +257,11 @@ def _run(cfg: Config, hosts: int, devices_per_host: int) -> dict:
                 print(metrics.progress_line(rec) + f" | staleness {rec['staleness']}",
                       flush=True)
     finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
         cluster.close()
-        log.close()
+        if log is not None:
+            log.close()
         if tensorboard is not None:
             tensorboard.close()
     return write_summary(cfg, records, hosts, devices_per_host)

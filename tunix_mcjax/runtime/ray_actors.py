@@ -28,7 +28,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tunix_mcjax import metrics, models, topology
 from tunix_mcjax.config import Config
 from tunix_mcjax.publish import nest, tree_bytes
-from tunix_mcjax.runtime import components, phases
+from tunix_mcjax.runtime import components, phases, recovery
 from tunix_mcjax.runtime.colocated import freeze_gc
 from tunix_mcjax.runtime.records import HostRecord, Rollout
 from tunix_mcjax.runtime.stepmath import LengthHistory
@@ -120,12 +120,35 @@ class TrainerWorker:
         self.mesh = parts.mesh
         self._replicate = jax.jit(lambda t: t,
                                   out_shardings=NamedSharding(self.mesh, PartitionSpec()))
-        self.version, self.puts = 0, 0
+        # Checkpoints: the trainers' own (one Orbax save over their group), the colocated
+        # mode's state; the driver says when. A resumed policy's version is its update count.
+        self.state = recovery.RunState(cfg, self.watchdog, self.topo.is_leader)
+        self.history = LengthHistory(len(prompts.tokens))  # saved empty, so CO can resume it
+        self.nonfinite = recovery.NonFinitePolicy(cfg.max_nonfinite_steps)
+        self.start_step = recovery.restore(self.state, self.trainer, self.history,
+                                           self.nonfinite)
+        self.version, self.puts = self.start_step - self.nonfinite.count, 0
         self.base: ray.ObjectRef | None = None  # the first publish, held while the run lasts
         self.published: dict | None = None  # the last publish, what a skipped update repeats
 
     def __repr__(self) -> str:
         return f"trainer-{self.rank}"
+
+    def resumed(self) -> dict:
+        """Where the run starts: {"start_step", "nonfinite_steps", "checkpoint"}."""
+        return {"start_step": self.start_step, "nonfinite_steps": self.nonfinite.count,
+                "checkpoint": self.state.describe_last()}
+
+    def save(self, step: int, nonfinite_steps: int) -> str:
+        """Saves the state after update `step` (every trainer joins); what was last saved."""
+        self.nonfinite.count = nonfinite_steps
+        self.state.save(step, lambda: recovery.train_state(self.trainer, self.history,
+                                                           self.nonfinite))
+        return self.state.describe_last()
+
+    def close_checkpoints(self) -> None:
+        """Waits for the saves in flight; the run's last call."""
+        self.state.close()
 
     def pid(self) -> int:
         return os.getpid()
