@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 
 import numpy as np
@@ -24,7 +23,6 @@ from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.runtime import disaggregated
 from tunix_mcjax.runtime.disaggregated import Cluster, training_steps
 from tunix_mcjax.runtime.ray_cluster import HOST_RESOURCE, ActorFailed
-from tunix_mcjax.runtime.recovery import Preempted
 
 SMALL = [*TINY, "batch_size=4", "num_generations=4", "rl_runtime=mcjax_da"]
 DEAD_ACTOR_BUDGET_S = 60
@@ -109,32 +107,46 @@ def test_skipped_nonfinite_update_publishes_nothing_new(tmp_path):
     assert objects[0] == objects[1] != objects[2] == objects[3]
 
 
-def test_stop_saves_the_step_just_applied_and_a_new_driver_resumes_after_it(tmp_path):
-    """The driver's SIGTERM sets `stop`: the trainers save update 1 and the run raises
-    Preempted; a new cluster's trainers restore it and the schedule goes on from step 2 with
-    v2, its pipeline refilled."""
-    cfg = config(tmp_path, "steps=4", "enable_checkpointing=true", "checkpoint_period=100")
-    stop = threading.Event()
-    cluster = Cluster.start(cfg, hosts=2, devices_per_host=1)
+def test_sigterm_saves_after_the_step_in_flight_exits_143_and_a_new_driver_resumes(tmp_path):
+    """The real signal, through the launcher (which starts its own local Ray cluster): the
+    trainers save the step just applied, exit 143. Then a new driver's trainers restore it and
+    the schedule goes on from the next step, its pipeline refilled with the restored version."""
+    keys = [*SMALL, "enable_checkpointing=true", "checkpoint_period=1000",
+            f"base_output_directory={tmp_path}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tunix_mcjax.launch", "--hosts", "2", "--devices-per-host", "1",
+         "recipes/cpu/demo.yml", *keys, "steps=200"], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = []
     try:
-        steps = training_steps(cfg, cluster, stop)
-        first = [next(steps), next(steps)]
-        stop.set()
-        with pytest.raises(Preempted, match="stopped after step 1; the last good checkpoint "
-                                              "is step 1"):
-            next(steps)
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("step    1 |"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        out += proc.communicate(timeout=120)[0]
     finally:
-        cluster.close()
-    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["1"]
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(out)
+    assert proc.returncode == 143, text[-3000:]
+    checkpoints = tmp_path / "demo" / "checkpoints"
+    saved = [p.name for p in checkpoints.iterdir()]
+    assert len(saved) == 1 and f"stopped after step {saved[0]}; the last good checkpoint is " \
+        f"step {saved[0]}" in text, text[-3000:]
+    last = int(saved[0])
+    assert read_jsonl(tmp_path / "demo" / "steps.jsonl")[-1]["step"] == last
+
+    cfg = load_config(REPO / "recipes/cpu/demo.yml", [*keys, f"steps={last + 3}"])
     cluster = Cluster.start(cfg, hosts=2, devices_per_host=1)
     try:
         resumed = list(training_steps(cfg, cluster))
     finally:
         cluster.close()
-    assert [r["step"] for r in first + resumed] == [0, 1, 2, 3]
-    assert [r["trained_on"] for r in resumed] == [2, 3]
-    assert [r["batch_versions"] for r in resumed] == [[2], [2]]
-    assert sorted(p.name for p in cfg.checkpoint_dir.iterdir()) == ["1", "3"]
+    assert [r["step"] for r in resumed] == [last + 1, last + 2]
+    assert [r["trained_on"] for r in resumed] == [last + 1, last + 2]
+    assert [r["batch_versions"] for r in resumed] == [[last + 1]] * 2
+    assert sorted(int(p.name) for p in checkpoints.iterdir()) == [last, last + 2]
 
 
 def lora_publish_bytes(cfg) -> tuple[int, int]:
