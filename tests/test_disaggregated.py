@@ -221,6 +221,15 @@ def test_one_process_of_a_cluster_launch_refuses_mcjax_da():
     assert "one Ray driver" in proc.stderr and "tunix_mcjax.launch" in proc.stderr
 
 
+def test_an_unreachable_ray_address_is_refused_fast_naming_the_keys():
+    proc = subprocess.run([sys.executable, "-m", "tunix_mcjax.launch", "recipes/cpu/demo.yml",
+                           "rl_runtime=mcjax_da", "rl_ray_address=127.0.0.1:1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "rl_ray_address / RAY_ADDRESS=127.0.0.1:1: no Ray head answers" in proc.stderr
+
+
 def test_launcher_refuses_a_split_the_host_count_cannot_make(capsys):
     assert launch.main(["--hosts", "3", str(REPO / "recipes/cpu/demo.yml"),
                         "rl_runtime=mcjax_da"]) == 2

@@ -136,8 +136,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    print(f"launch: {hosts or 'every'} hosts x {args.devices_per_host} devices, run "
-          f"{cfg.run_dir}", flush=True)
+    print(f"launch: {hosts or 'all Ray'} hosts x "
+          f"{args.devices_per_host} devices, run {cfg.run_dir}", flush=True)
     if cfg.rl_runtime == "mcjax_da":
         return launch_disaggregated(cfg, hosts, args.devices_per_host)
     return launch(args.recipe, args.overrides, args.hosts, args.devices_per_host)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -34,6 +35,7 @@ from tunix_mcjax.hostenv import free_port, host_env
 PACKAGE_ROOT = str(Path(tunix_mcjax.__file__).resolve().parents[1])
 DEATH_GRACE_S = 5.0  # how long a failed call waits to see whether a peer's death caused it
 HOST_RESOURCE = "mcjax_host"  # one unit per host node; `ray start --resources`
+CONNECT_TIMEOUT_S = 10.0  # how long the head's address may take to answer
 ACCELERATORS = ("TPU", "GPU")  # a host's chips go to its actor: Ray hides unrequested ones
 
 
@@ -53,12 +55,29 @@ def connect(cfg: Config, hosts: int) -> bool:
         return False
     address = cfg.rl_ray_address or os.environ.get("RAY_ADDRESS", "")
     if address:
+        _check_reachable(address)
         ray.init(address=address, configure_logging=False, log_to_driver=True)
     else:
         ray.init(num_cpus=hosts, resources={HOST_RESOURCE: hosts},
                  object_store_memory=cfg.rl_ray_object_store_mb << 20,
                  include_dashboard=False, configure_logging=False, log_to_driver=True)
     return True
+
+
+def _check_reachable(address: str) -> None:
+    """Fails fast, naming the keys, when nothing listens at `address` (ray.init would retry
+    for minutes); "auto" is Ray's own local lookup."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    try:
+        socket.create_connection((host, int(port)), timeout=CONNECT_TIMEOUT_S).close()
+    except (OSError, ValueError) as e:
+        raise ConfigError(
+            f"rl_ray_address / RAY_ADDRESS={address}: no Ray head answers there within "
+            f"{CONNECT_TIMEOUT_S:.0f}s ({e}). Start it (ray start --head --port=6379 on the "
+            "head node), fix the address (HEAD_IP:6379 or ray://HEAD_IP:10001), or unset both "
+            "to start a local cluster") from e
 
 
 def host_nodes() -> list[dict]:
