@@ -24,14 +24,13 @@ def free_port(bind: str = "127.0.0.1") -> int:
 def host_env(host: int, hosts: int, devices: int, port: int, coordinator_host: str = "127.0.0.1"
              ) -> dict[str, str]:
     """This process's environment for process `host` of `hosts`, whose coordinator listens on
-    coordinator_host:port. On CPU (JAX_PLATFORMS unset or cpu) the process gets `devices`
-    forced host-platform devices; on accelerators it keeps its own devices."""
+    coordinator_host:port. JAX_PLATFORMS defaults to cpu, whose backend gets `devices` forced
+    host-platform devices (the flag touches the CPU backend only: on accelerators, with
+    JAX_PLATFORMS set, the process keeps its own devices)."""
     env = dict(os.environ)
-    env["JAX_PLATFORMS"] = env.get("JAX_PLATFORMS", "cpu")
-    if env["JAX_PLATFORMS"] == "cpu":
-        flags = [f for f in env.get("XLA_FLAGS", "").split()
-                 if not f.startswith(_DEVICE_COUNT_FLAG)]
-        env["XLA_FLAGS"] = " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={devices}"])
-    env.update({"PYTHONUNBUFFERED": "1", COORDINATOR: f"{coordinator_host}:{port}",
+    flags = [f for f in env.get("XLA_FLAGS", "").split() if not f.startswith(_DEVICE_COUNT_FLAG)]
+    env.update({"XLA_FLAGS": " ".join([*flags, f"{_DEVICE_COUNT_FLAG}={devices}"]),
+                "JAX_PLATFORMS": env.get("JAX_PLATFORMS", "cpu"),
+                "PYTHONUNBUFFERED": "1", COORDINATOR: f"{coordinator_host}:{port}",
                 NUM_PROCESSES: str(hosts), PROCESS_ID: str(host)})
     return env
