@@ -23,7 +23,6 @@ DA_KEYS = keys_of(Disaggregated)
 DA_SPLITS = (0.5, 0.25, 0.125)
 # What rl_runtime=mcjax_da does not do (yet), with the fix.
 DA_REFUSED = {
-    "enable_checkpointing": "its trainer and rollout actors do not checkpoint yet",
     "num_test_batches": "evaluation runs in the colocated runtime only",
     "profiler": "the JAX profiler is wired into the colocated step only",
     "rl_async_metrics_export": "O1 moves the colocated metrics barrier off the step; "

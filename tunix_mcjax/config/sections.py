@@ -380,6 +380,10 @@ class Disaggregated:
         512, "Object store of the local Ray cluster (MiB): a published copy of the weights per "
         "version in flight, and the rollout batches.",
         check=at_least(75, "(Ray's smallest object store is 75 MB)"), runtime_only=True)
+    rl_ray_address: str = key(
+        "", "Ray cluster the driver joins (\"auto\", \"HEAD_IP:6379\", \"ray://HEAD_IP:10001\"): "
+        "one actor per node that offers the mcjax_host resource. Empty: RAY_ADDRESS when set, "
+        "else the launcher starts a local cluster of its own (development).", runtime_only=True)
 
 
 SECTIONS = (Run, Data, Model, Batch, Sampling, Rollout, KvPool, Vllm, Algorithm, Optimizer,
