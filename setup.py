@@ -37,6 +37,8 @@ EXTRAS = {
         "math-verify==0.9.0",
     ],
     "tpu": ["jax[tpu]==0.12.0.1"],
+    # NVIDIA GPUs: JAX's CUDA 12 plugin at the pinned jax (pip install -e '.[gpu]').
+    "gpu": ["jax[cuda12]==0.12.0.1"],
     # The documentation site (make docs builds it in .venv-docs from constraints-docs.txt).
     "docs": ["sphinx==9.1.1", "myst-parser==5.2.0", "sphinx-book-theme==1.4.0"],
 }

@@ -78,3 +78,24 @@ def test_gspo_token_and_num_iterations_load():
     assert algorithm_fingerprint(warm)["warmup_steps"] == 20
     with pytest.raises(ConfigError, match="num_iterations must be >= 1 optimizer updates"):
         load_config(DEMO, ["num_iterations=0"])
+
+
+def test_a_key_out_of_its_range_is_named_with_its_value_and_an_example():
+    with pytest.raises(ConfigError, match=r"hbm_utilization_vllm must be in \(0, 1\] .*, got 1.5"
+                                          r"\. Example: hbm_utilization_vllm=0.72"):
+        load_config(DEMO, ["hbm_utilization_vllm=1.5"])
+
+
+def test_every_key_has_a_description():
+    from tunix_mcjax.config.core import FIELDS
+
+    missing = [k for k, f in FIELDS.items() if not f.metadata.get("doc")]
+    assert not missing, f"keys without a description: {missing}"
+
+
+def test_key_reference_page_is_what_the_generator_writes():
+    from tunix_mcjax.config import reference
+
+    assert reference.PAGE.read_text() == reference.render(), (
+        "docs/configuration-reference.md is out of date: "
+        "run python -m tunix_mcjax.config.reference")

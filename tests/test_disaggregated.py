@@ -22,16 +22,17 @@ from tunix_mcjax import launch
 from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.runtime import disaggregated
 from tunix_mcjax.runtime.disaggregated import Cluster, training_steps
-from tunix_mcjax.runtime.ray_cluster import ActorFailed
+from tunix_mcjax.runtime.ray_cluster import HOST_RESOURCE, ActorFailed
 
 SMALL = [*TINY, "batch_size=4", "num_generations=4", "rl_runtime=mcjax_da"]
 DEAD_ACTOR_BUDGET_S = 60
+OVERFLOWS = "reward_functions=tests.workers.bad_rewards:overflows_after_first_step"
 
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=4, object_store_memory=256 << 20, include_dashboard=False,
-             configure_logging=False)
+    ray.init(num_cpus=4, resources={HOST_RESOURCE: 4}, object_store_memory=256 << 20,
+             include_dashboard=False, configure_logging=False)
     yield
     ray.shutdown()
 
@@ -88,6 +89,66 @@ def test_demo_on_half_the_hosts_learns_in_ten_steps(tmp_path):
     assert np.polyfit(np.arange(10), reward, 1)[0] > 0
 
 
+def test_skipped_nonfinite_update_publishes_nothing_new(tmp_path):
+    """From step 1 on the rewards overflow and the loss is NaN: the skipped updates keep v1,
+    put no new object, and the next batch is generated with v1's object again."""
+    cfg = config(tmp_path, "steps=4", "max_nonfinite_steps=5", OVERFLOWS)
+    cluster = Cluster.start(cfg, hosts=2, devices_per_host=1)
+    try:
+        records = list(training_steps(cfg, cluster))
+    finally:
+        cluster.close()
+    assert [r["finite"] for r in records] == [1.0, 0.0, 0.0, 0.0]
+    assert [r["nonfinite_steps"] for r in records] == [0, 1, 2, 3]
+    assert [r["version"] for r in records] == [1, 1, 1, 1]
+    assert [r["puts"] for r in records] == [2, 2, 2, 2]  # v0 and v1, nothing after
+    assert [r["batch_versions"] for r in records] == [[0], [0], [1], [1]]
+    objects = [r["weights_objects"][0] for r in records]
+    assert objects[0] == objects[1] != objects[2] == objects[3]
+
+
+def test_sigterm_saves_after_the_step_in_flight_exits_143_and_a_new_driver_resumes(tmp_path):
+    """The real signal, through the launcher (which starts its own local Ray cluster): the
+    trainers save the step just applied, exit 143. Then a new driver's trainers restore it and
+    the schedule goes on from the next step, its pipeline refilled with the restored version."""
+    keys = [*SMALL, "enable_checkpointing=true", "checkpoint_period=1000",
+            f"base_output_directory={tmp_path}"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tunix_mcjax.launch", "--hosts", "2", "--devices-per-host", "1",
+         "recipes/cpu/demo.yml", *keys, "steps=200"], cwd=REPO, stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    out = []
+    try:
+        for line in proc.stdout:
+            out.append(line)
+            if line.startswith("step    1 |"):
+                proc.send_signal(signal.SIGTERM)
+                break
+        out += proc.communicate(timeout=120)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    text = "".join(out)
+    assert proc.returncode == 143, text[-3000:]
+    checkpoints = tmp_path / "demo" / "checkpoints"
+    saved = [p.name for p in checkpoints.iterdir()]
+    assert len(saved) == 1 and f"stopped after step {saved[0]}; the last good checkpoint is " \
+        f"step {saved[0]}" in text, text[-3000:]
+    last = int(saved[0])
+    assert read_jsonl(tmp_path / "demo" / "steps.jsonl")[-1]["step"] == last
+
+    cfg = load_config(REPO / "recipes/cpu/demo.yml", [*keys, f"steps={last + 3}"])
+    cluster = Cluster.start(cfg, hosts=2, devices_per_host=1)
+    try:
+        resumed = list(training_steps(cfg, cluster))
+    finally:
+        cluster.close()
+    assert [r["step"] for r in resumed] == [last + 1, last + 2]
+    assert [r["trained_on"] for r in resumed] == [last + 1, last + 2]
+    assert [r["batch_versions"] for r in resumed] == [[last + 1]] * 2
+    assert sorted(int(p.name) for p in checkpoints.iterdir()) == [last, last + 2]
+
+
 def lora_publish_bytes(cfg) -> tuple[int, int]:
     """(bytes of the whole engine tree, of its LoRA adapters) for `cfg`'s model."""
     from flax import nnx
@@ -140,7 +201,7 @@ def test_dead_rollout_restarted_once_then_ends_the_run_within_60s(tmp_path):
     (["rl_trainer_hosts_fraction=0.125", "batch_size=4"], 8, "without a prompt"),
     (["rl_trainer_hosts_fraction=0.25", "rl_balance_prompts_by_length=true"], 4,
      "does not divide by the 3 rollout"),
-    (["enable_checkpointing=true"], 2, "cannot honour enable_checkpointing"),
+    (["profiler=xplane"], 2, "cannot honour profiler"),
 ])
 def test_bad_splits_and_unsupported_keys_are_refused(tmp_path, overrides, hosts, message):
     with pytest.raises(ConfigError, match=message):
@@ -158,6 +219,15 @@ def test_one_process_of_a_cluster_launch_refuses_mcjax_da():
                           timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
     assert proc.returncode == 2
     assert "one Ray driver" in proc.stderr and "tunix_mcjax.launch" in proc.stderr
+
+
+def test_an_unreachable_ray_address_is_refused_fast_naming_the_keys():
+    proc = subprocess.run([sys.executable, "-m", "tunix_mcjax.launch", "recipes/cpu/demo.yml",
+                           "rl_runtime=mcjax_da", "rl_ray_address=127.0.0.1:1"], cwd=REPO,
+                          capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "rl_ray_address / RAY_ADDRESS=127.0.0.1:1: no Ray head answers" in proc.stderr
 
 
 def test_launcher_refuses_a_split_the_host_count_cannot_make(capsys):

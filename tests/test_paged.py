@@ -96,18 +96,26 @@ def test_split_pages_attention_equals_the_reference_on_ragged_rows(page_size):
 
 
 def test_attention_reads_only_live_slots_of_a_rows_pages():
-    """NaN in every page no row uses, and in the slots past each row's length, never reaches
-    the output: the gather stops at the live bucket and masks the rest."""
+    """Stale slots (every page no row uses, and the slots past each row's length) never reach
+    the output: NaN keys there are masked out, huge values get probability exactly 0. Values
+    are finite in any page, since a layout writes non-finite values as 0."""
     (q, k_seq, v_seq, tables, kv_lens, q_lens), (pool_k, pool_v) = ragged_case(4)
     live = np.zeros(pool_k.shape[:2], bool)
     for r, table in enumerate(np.asarray(tables)):
         for t in range(int(kv_lens[r])):
             live[table[t // 4], t % 4] = True
-    poisoned = [np.where(live[:, :, None, None], x, np.nan) for x in (pool_k, pool_v)]
-    got = jax.jit(pa.SplitPages().attend)(q, split_layer(*poisoned), tables, kv_lens, q_lens)
+    stale_k = np.where(live[:, :, None, None], pool_k, np.nan)
+    stale_v = np.where(live[:, :, None, None], pool_v, 1e30)
+    got = jax.jit(pa.SplitPages().attend)(q, split_layer(stale_k, stale_v), tables, kv_lens,
+                                          q_lens)
     np.testing.assert_allclose(got, pa.reference_attention(q, k_seq, v_seq, kv_lens, q_lens),
                                atol=1e-5)
-    assert pa.page_buckets(6) == (1, 2, 4, 6)
+    written = pa.SplitPages().write(split_layer(pool_k, pool_v), jnp.array([[0]]),
+                                    jnp.array([[0]]), jnp.zeros((1, 1, 2, 16)),
+                                    jnp.full((1, 1, 2, 16), jnp.nan))
+    assert bool(jnp.all(jnp.isfinite(written[1])))
+    assert pa.page_buckets(6) == (1, 2, 3, 4, 5, 6)
+    assert pa.page_buckets(21) == (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 15, 18, 21)
 
 
 @pytest.mark.parametrize("page_size", [4, 16])

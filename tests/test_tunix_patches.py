@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.test_maxtext_patches import record_hash
-from tunix_mcjax import launch, patches
+from tunix_mcjax import hostenv, patches
 
 TUNIX = patches.TARGETS["tunix"]
 SERIES = patches.series(TUNIX)
@@ -118,10 +118,10 @@ def run_check_mp(root: Path, script: str, *args: str, timeout: float = 60,
     Returns one dict per process: its report, or {"timeout": True} when the job was still
     running at the deadline (then every process is killed), or {"rc", "stderr"} on a failure.
     """
-    port = launch.free_port()
+    port = hostenv.free_port()
     procs = []
     for host in range(processes):
-        env = launch.host_env(host, processes, devices, port)
+        env = hostenv.host_env(host, processes, devices, port)
         env["PYTHONPATH"] = f"{root}{os.pathsep}{REPO}"
         procs.append(subprocess.Popen([sys.executable, str(CHECKS / script), *args], cwd=root,
                                       env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,

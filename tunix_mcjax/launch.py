@@ -13,36 +13,15 @@ from __future__ import annotations
 import argparse
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
 
 from tunix_mcjax.config import ConfigError, load_config
+from tunix_mcjax.hostenv import free_port, host_env
 
 GRACE_S = 10
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def host_env(host: int, hosts: int, devices: int, port: int) -> dict[str, str]:
-    env = dict(os.environ)
-    flags = [f for f in env.get("XLA_FLAGS", "").split()
-             if not f.startswith("--xla_force_host_platform_device_count")]
-    env.update(
-        XLA_FLAGS=" ".join([*flags, f"--xla_force_host_platform_device_count={devices}"]),
-        JAX_PLATFORMS=env.get("JAX_PLATFORMS", "cpu"),
-        PYTHONUNBUFFERED="1",
-        TUNIX_MCJAX_COORDINATOR=f"127.0.0.1:{port}",
-        TUNIX_MCJAX_NUM_PROCESSES=str(hosts),
-        TUNIX_MCJAX_PROCESS_ID=str(host),
-    )
-    return env
 
 
 def _stream(host: int, proc: subprocess.Popen) -> None:
@@ -118,11 +97,13 @@ def launch(recipe: str, overrides: list[str], hosts: int, devices: int,
     return code
 
 
-def host_parser(prog: str, description: str, devices_per_host: int) -> argparse.ArgumentParser:
+def host_parser(prog: str, description: str, devices_per_host: int,
+                hosts_default: int | None = 2, hosts_help: str = "processes to start (default 2)"
+                ) -> argparse.ArgumentParser:
     """A local launcher's parser: `--hosts` and `--devices-per-host` (see `parse_hosts`)."""
     parser = argparse.ArgumentParser(prog=prog, description=description,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--hosts", type=int, default=2, help="processes to start (default 2)")
+    parser.add_argument("--hosts", type=int, default=hosts_default, help=hosts_help)
     parser.add_argument("--devices-per-host", type=int, default=devices_per_host,
                         help=f"CPU devices per process (default {devices_per_host})")
     return parser
@@ -131,13 +112,15 @@ def host_parser(prog: str, description: str, devices_per_host: int) -> argparse.
 def parse_hosts(parser: argparse.ArgumentParser, argv: list[str] | None) -> argparse.Namespace:
     """`parser`'s arguments, with at least one host and one device per host."""
     args = parser.parse_args(argv)
-    if args.hosts < 1 or args.devices_per_host < 1:
+    if (args.hosts is not None and args.hosts < 1) or args.devices_per_host < 1:
         parser.error("--hosts and --devices-per-host must be >= 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = host_parser("python -m tunix_mcjax.launch", __doc__, devices_per_host=2)
+    parser = host_parser("python -m tunix_mcjax.launch", __doc__, devices_per_host=2,
+                         hosts_default=None, hosts_help="processes to start (default 2; "
+                         "rl_runtime=mcjax_da on a joined Ray cluster: every host it offers)")
     parser.epilog = ("docs: docs/getting-started.md, docs/configuration.md (keys),\n      "
                      "docs/disaggregated.md (rl_runtime=mcjax_da); `make docs` builds the site")
     parser.add_argument("recipe", help="YAML recipe, e.g. recipes/cpu/demo.yml")
@@ -145,25 +128,34 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_hosts(parser, argv)
     try:
         cfg = load_config(args.recipe, args.overrides)
-        cfg.validate_topology(args.hosts, args.devices_per_host)
+        joins = cfg.rl_runtime == "mcjax_da" and bool(cfg.rl_ray_address or
+                                                       os.environ.get("RAY_ADDRESS"))
+        hosts = args.hosts or (None if joins else 2)
+        if hosts is not None:
+            cfg.validate_topology(hosts, args.devices_per_host)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    print(f"launch: {args.hosts} hosts x {args.devices_per_host} devices, run "
-          f"{cfg.run_dir}", flush=True)
+    print(f"launch: {hosts or 'all Ray'} hosts x "
+          f"{args.devices_per_host} devices, run {cfg.run_dir}", flush=True)
     if cfg.rl_runtime == "mcjax_da":
-        return launch_disaggregated(cfg, args.hosts, args.devices_per_host)
+        return launch_disaggregated(cfg, hosts, args.devices_per_host)
     return launch(args.recipe, args.overrides, args.hosts, args.devices_per_host)
 
 
-def launch_disaggregated(cfg, hosts: int, devices: int) -> int:
-    """rl_runtime=mcjax_da: this process is the Ray driver of a local cluster of H actors.
-    SIGTERM (Ray's driver handler exits through SystemExit) and Ctrl-C leave through the
-    driver's own cleanup too: every actor killed, Ray shut down."""
-    from tunix_mcjax.runtime import disaggregated, ray_cluster
+def launch_disaggregated(cfg, hosts: int | None, devices: int) -> int:
+    """rl_runtime=mcjax_da: this process is the Ray driver, of the cluster at rl_ray_address or
+    RAY_ADDRESS (`hosts` None: every host it offers), else of a local cluster it starts.
+    SIGTERM ends it after the step in flight, saved when checkpointing is on: exit 143. Ctrl-C
+    leaves through the driver's own cleanup too: every actor killed, its placement group
+    removed."""
+    from tunix_mcjax.runtime import disaggregated, ray_cluster, recovery
 
     try:
         disaggregated.run(cfg, hosts, devices)
+    except recovery.Preempted as e:
+        print(e, file=sys.stderr, flush=True)
+        return 128 + signal.SIGTERM
     except ray_cluster.ActorFailed as e:
         print(f"launch: {e}; the run is stopped", file=sys.stderr, flush=True)
         return 1
@@ -171,6 +163,7 @@ def launch_disaggregated(cfg, hosts: int, devices: int) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -20,6 +20,8 @@ import numpy as np
 from jax.experimental import multihost_utils
 from jax.sharding import AxisType, Mesh
 
+from tunix_mcjax import hostenv
+
 WATCHDOG_EXIT_CODE = 3
 ABORT_EXIT_CODE = 1
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as a process killed by the notice would report
@@ -59,10 +61,10 @@ def initialize_from_env() -> Topology:
     """`initialize` from `tunix_mcjax.launch`'s TUNIX_MCJAX_* variables when set, else from the
     cluster's own discovery (TPU/GPU launchers), else as a single process."""
     env = os.environ
-    if "TUNIX_MCJAX_COORDINATOR" not in env:
+    if hostenv.COORDINATOR not in env:
         return initialize()
-    return initialize(env["TUNIX_MCJAX_COORDINATOR"], int(env["TUNIX_MCJAX_NUM_PROCESSES"]),
-                      int(env["TUNIX_MCJAX_PROCESS_ID"]))
+    return initialize(env[hostenv.COORDINATOR], int(env[hostenv.NUM_PROCESSES]),
+                      int(env[hostenv.PROCESS_ID]))
 
 
 def current() -> Topology:

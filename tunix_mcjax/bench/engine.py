@@ -70,6 +70,7 @@ class EngineProfile:
     decode_batch: int  # rows one replica decodes at once
     repeats: int
     short_cap: int = 0  # also run at this completion cap (same work: stops end every request)
+    model: str = "tiny"  # a key of MODELS
 
     @property
     def requests(self) -> int:
@@ -98,6 +99,12 @@ PROFILES = {
         ignore_eos=False, stop_token_ids=tuple(range(2, 26)), decode_batch=64, repeats=5,
         short_cap=512,
     ),
+    # Qwen3-0.6B's shape in bf16 (random init: its 151,936-way distribution meets no stop id,
+    # so completions run to the cap and every arm does the same work).
+    "qwen3-0.6b-cpu": EngineProfile(
+        "qwen3-0.6b-cpu", prompts=4, generations=4, prompt_lengths=(32, 64), max_new_tokens=64,
+        ignore_eos=True, stop_token_ids=(), decode_batch=16, repeats=3, model="qwen3-0.6b",
+    ),
 }  # fmt: skip
 
 # Big enough that compute, not dispatch, dominates a CPU step; small enough for ~5 min total.
@@ -106,6 +113,19 @@ MODEL = qwen3.ModelConfig(
     num_kv_heads=2, rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=True,
     shd_config=qwen3.ShardingConfig.get_default_sharding(is_sampling=True),
 )  # fmt: skip
+# Model shapes a profile can name: the tiny one above, and Qwen3-0.6B's in bf16.
+MODELS = {
+    "tiny": MODEL,
+    "qwen3-0.6b": dataclasses.replace(
+        qwen3.ModelConfig.qwen3_0p6b(), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
+        shd_config=qwen3.ShardingConfig.get_default_sharding(is_sampling=True)),
+}
+MODEL_FIELDS = ("num_layers", "vocab_size", "embed_dim", "hidden_dim", "num_heads", "head_dim",
+                "num_kv_heads", "rope_theta", "norm_eps", "use_tied_embedding")
+
+
+def model_of(profile: EngineProfile) -> qwen3.ModelConfig:
+    return MODELS[profile.model]
 
 
 class IdTokenizer:
@@ -170,7 +190,7 @@ def engine_arm(
     """A warmed-up JaxEngine decoding at most `batch` rows at once (CB or waves), its
     completion cap `sampling.max_new_tokens`."""
     engine = JaxEngine(
-        MODEL, jax.devices()[:1], pad_id=PAD_ID, eos_ids=(EOS_ID,),
+        model_of(profile), jax.devices()[:1], pad_id=PAD_ID, eos_ids=(EOS_ID,),
         max_prompt_length=pow2_at_least(profile.prompt_lengths[1]),
         max_new_tokens=sampling.max_new_tokens, continuous_batching=continuous,
         max_batch_size=batch,
@@ -225,7 +245,10 @@ def rev_arm(profile, prompts, sampling, rev: str) -> tuple[Measure, dict]:
             raise RuntimeError(f"the {rev} engine worker exited with {proc.wait()}")
         return json.loads(line)
 
-    info = ask({"prompts": prompts, "max_prompt_length": pow2_at_least(profile.prompt_lengths[1]),
+    mc = model_of(profile)
+    model = {**{k: getattr(mc, k) for k in MODEL_FIELDS}, "dtype": np.dtype(mc.dtype).name}
+    info = ask({"model": model,
+                "prompts": prompts, "max_prompt_length": pow2_at_least(profile.prompt_lengths[1]),
                 "max_new_tokens": sampling.max_new_tokens, "max_batch_size": profile.decode_batch,
                 "sampling": dataclasses.asdict(sampling)})
     info.update(rev=rev, decode_batch=min(profile.decode_batch, pow2_at_least(profile.requests)))
@@ -248,6 +271,9 @@ def maxtext_arm(profile, _params, prompts, sampling) -> tuple[Measure, dict]:
     """The maxtext engine (MaxText's own Qwen3, random init, same shape as MODEL) with the same
     loop settings as the `engine` arm: continuous batching through `decode_batch` rows. It has
     its own params (MaxText's init), not the JAX engine's."""
+    if profile.model != "tiny":
+        raise ValueError(f"--engine maxtext builds the tiny shape only; profile {profile.name} "
+                         f"is {profile.model}")
     batch = profile.decode_batch
     from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
 
@@ -280,12 +306,13 @@ def tunix_arm(profile, model, prompts, sampling, compiles: list[int]) -> tuple[M
     """A warmed-up Tunix Sampler over the same model, whole batch per call."""
     prompt_bucket = pow2_at_least(profile.prompt_lengths[1])
     cache = tunix_sampler.CacheConfig(
-        cache_size=prompt_bucket + profile.max_new_tokens, num_layers=MODEL.num_layers,
-        num_kv_heads=MODEL.num_kv_heads, head_dim=MODEL.head_dim,
+        cache_size=prompt_bucket + profile.max_new_tokens, num_layers=model_of(profile).num_layers,
+        num_kv_heads=model_of(profile).num_kv_heads, head_dim=model_of(profile).head_dim,
     )  # fmt: skip
     sampler = tunix_sampler.Sampler(model, IdTokenizer(), cache)
     texts = [" ".join(map(str, p)) for p in prompts]
-    ends = [MODEL.vocab_size] if sampling.ignore_eos else [EOS_ID, *sampling.stop_token_ids]
+    ends = [model_of(profile).vocab_size] if sampling.ignore_eos \
+        else [EOS_ID, *sampling.stop_token_ids]
 
     def call(seed: int):
         return sampler(
@@ -312,7 +339,7 @@ def vllm_arm(profile, params, prompts, sampling) -> tuple[Measure, dict]:
     from tunix_mcjax.engine.vllm_engine import VllmEngine
 
     engine = VllmEngine(
-        MODEL, jax.devices()[:1], pad_id=PAD_ID, eos_ids=(EOS_ID,),
+        model_of(profile), jax.devices()[:1], pad_id=PAD_ID, eos_ids=(EOS_ID,),
         max_prompt_length=pow2_at_least(profile.prompt_lengths[1]),
         max_new_tokens=profile.max_new_tokens, max_num_seqs=profile.decode_batch)
     publish_s, _ = timed(lambda: engine.load_weights(params))
@@ -341,8 +368,9 @@ def floor_arm(profile, params, batch: int, steps: int = 32) -> tuple[Measure, di
     params = jax.device_put(unflatten_tree(flatten_tree(params)), device)
     num_pages = (batch + profile.prompts) * table
     layout = paged_attention.SplitPages()
-    pool = jax.device_put([layout.empty(num_pages, page, MODEL.num_kv_heads, MODEL.head_dim,
-                                        MODEL.dtype) for _ in range(MODEL.num_layers)], device)
+    mc = model_of(profile)
+    pool = jax.device_put([layout.empty(num_pages, page, mc.num_kv_heads, mc.head_dim,
+                                        mc.dtype) for _ in range(mc.num_layers)], device)
 
     def rows(tokens, positions, tables):
         n, c = tokens.shape
@@ -353,7 +381,7 @@ def floor_arm(profile, params, batch: int, steps: int = 32) -> tuple[Measure, di
             kv_lens=positions[:, -1] + 1, q_lens=jnp.full((n,), c, jnp.int32),
             logit_cols=jnp.full((n,), c - 1, jnp.int32))
 
-    step = jax.jit(lambda p, pool, r: fwd.paged_forward(MODEL, p, pool, r, layout),
+    step = jax.jit(lambda p, pool, r: fwd.paged_forward(mc, p, pool, r, layout),
                    donate_argnums=1)
     tables = jnp.arange(batch * table, dtype=jnp.int32).reshape(batch, table)
     decode_rows = [rows(jnp.full((batch, 1), 5, jnp.int32),
@@ -415,9 +443,9 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
         )
     )
     with jax.default_device(jax.devices()[0]):
-        model = qwen3.Qwen3(MODEL, rngs=nnx.Rngs(0))
+        model = qwen3.Qwen3(model_of(profile), rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-    prompts = make_prompts(profile, MODEL.vocab_size)
+    prompts = make_prompts(profile, model_of(profile).vocab_size)
     sampling = SamplingParams(
         max_new_tokens=profile.max_new_tokens, temperature=1.0, ignore_eos=profile.ignore_eos,
         stop_token_ids=profile.stop_token_ids,
@@ -454,7 +482,8 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
     ratio, low, high = bootstrap_ratio(tokens_per_s(engine), tokens_per_s(tunix))
     result = {
         "profile": dataclasses.asdict(profile),
-        "model": {k: getattr(MODEL, k) for k in ("num_layers", "vocab_size", "embed_dim",
+        "model": {k: getattr(model_of(profile), k) for k in ("num_layers", "vocab_size",
+                                                            "embed_dim",
                                                  "hidden_dim", "num_heads", "num_kv_heads")},
         "device": str(jax.devices()[0]),
         "loadavg_1_5_15": {"before": load_before, "after": os.getloadavg()},

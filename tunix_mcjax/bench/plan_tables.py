@@ -41,7 +41,7 @@ def row(cfg: Config, cluster: plan.Cluster) -> list[str]:
     split = plan.plan(cfg.replace(train_micro_batch_size=1), cluster, mc)
     best = plan.largest_micro_batch_that_fits(cfg, cluster, mc)
     state = whole.items["params"] + whole.items["optimizer state"] \
-        + whole.items["engine weights"] + whole.items.get("KV page pool", 0)
+        + whole.items["engine weights"]
     return [gib(state), "yes" if whole.layout.gather_once else "no",
             gib(whole.phases["train"]), gib(split.phases["train"]),
             gib(whole.phases["generate"]), "-" if best is None else str(best)]
@@ -72,8 +72,8 @@ def table3_row(name: str, chips: int) -> str:
 
 
 def main() -> None:
-    print("Per device, GiB. state: params + Adam moments (FSDP) + the engine's weights and KV "
-          "page pool.\n")
+    print("Per device, GiB. state: params + Adam moments (FSDP) + the engine's weights; the "
+          "KV page pool is in generate (free_kv_cache_during_weight_sync, the default).\n")
     for chips in (8, 64):
         cluster = v7x(chips)
         print(f"GSM8K profile (128 prompts x 16, 512 + 2048 tokens), {chips} v7x chips "

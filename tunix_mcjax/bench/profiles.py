@@ -5,8 +5,9 @@ lengths fill the profile's prompt budget. Timing needs the workload's shape, not
 models are random-init and completions are forced to their full budget (`ignore_eos`), so
 every arm decodes the same number of tokens. The dataset holds exactly `batches` global
 batches, and `data_repeat_period` replays them: steps 0..B-1 and B..2B-1 see the same batches.
-`gsm8k-cpu-eos` honours EOS instead, so completions stop early and pack unevenly as in real
-RL; the equal-work rule (`bench.equal_work`) then checks that the arms' lengths agree.
+`gsm8k-cpu-eos` and `numina-cpu-eos` honour EOS instead, so completions stop early and pack
+unevenly as in real RL (numina-cpu-eos far below its 1024-token cap); the equal-work rule
+(`bench.equal_work`) then checks that the arms' lengths agree.
 `gsm8k-cpu-lora` is gsm8k-cpu with LoRA on (Tunix's `run_qwen3.sh` rank, alpha and module
 path). `demo-cpu` is `recipes/cpu/demo.yml`'s task and config (next digit, 2 new tokens).
 """
@@ -78,6 +79,10 @@ PROFILES = {p.name: p for p in (
     Profile("numina-cpu", "decode-heavy", 8, 8, 32, 192, (12, 31)),
     Profile("swe-cpu", "prefill-heavy", 8, 8, 256, 16, (160, 255)),
     Profile("gsm8k-cpu-eos", "balanced, EOS honoured", 4, 16, 32, 128, (12, 31),
+            ignore_eos=False),
+    # Decode-heavy RL as it runs: a 1024-token cap far above the typical completion (a
+    # random-init model meets EOS about once in 100 tokens: mean near 100, a few past 400).
+    Profile("numina-cpu-eos", "decode-heavy, EOS honoured", 4, 8, 32, 1024, (12, 31),
             ignore_eos=False),
     # gsm8k-cpu with run_qwen3.sh's LoRA: the workload of the tunix-cli arm's comparison.
     Profile("gsm8k-cpu-lora", "balanced, LoRA on", 4, 16, 32, 128, (12, 31), RUN_QWEN3_LORA),

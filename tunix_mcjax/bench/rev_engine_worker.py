@@ -2,10 +2,12 @@
 
 Run as a file with that revision's package first on the path (PYTHONPATH=<its tree>), so that
 `tunix_mcjax` is the other revision's. It uses only what every revision's engine and benchmark
-have: `bench.engine.MODEL`, `JaxEngine(...)`, `load_weights`, `generate`, `last_iterations`.
+have: `JaxEngine(...)`, `load_weights`, `generate`, `last_iterations`, over Tunix's Qwen3 of
+the shape it is given (random init from seed 0, as the benchmark's other arms).
 One JSON object per line on stdin, one answer per line on stdout:
 
-    {"prompts": [[...]], "max_prompt_length": P, "max_new_tokens": M, "max_batch_size": B,
+    {"model": {...ModelConfig fields, "dtype": "float32" | "bfloat16"}, "prompts": [[...]],
+     "max_prompt_length": P, "max_new_tokens": M, "max_batch_size": B,
      "sampling": {...SamplingParams fields...}}      -> {"compile_count": n}  (built, warmed up)
     {"seed": s}                                       -> {"wall_s", "tokens", "iterations",
                                                           "completions"}
@@ -20,10 +22,11 @@ import time
 
 def main() -> None:
     import jax
+    import jax.numpy as jnp
     from flax import nnx
     from tunix.models.qwen3 import model as qwen3
 
-    from tunix_mcjax.bench.engine import EOS_ID, MODEL, PAD_ID
+    from tunix_mcjax.bench.engine import EOS_ID, PAD_ID
     from tunix_mcjax.engine.base import SamplingParams
     from tunix_mcjax.engine.jax_engine import JaxEngine
 
@@ -34,9 +37,14 @@ def main() -> None:
             prompts = request["prompts"]
             sampling = SamplingParams(**{k: tuple(v) if isinstance(v, list) else v
                                          for k, v in request["sampling"].items()})
+            fields = dict(request["model"])
+            dtype = jnp.dtype(fields.pop("dtype"))
+            config = qwen3.ModelConfig(
+                **fields, dtype=dtype, param_dtype=dtype,
+                shd_config=qwen3.ShardingConfig.get_default_sharding(is_sampling=True))
             with jax.default_device(jax.devices()[0]):
-                model = qwen3.Qwen3(MODEL, rngs=nnx.Rngs(0))
-            engine = JaxEngine(MODEL, jax.devices()[:1], pad_id=PAD_ID, eos_ids=(EOS_ID,),
+                model = qwen3.Qwen3(config, rngs=nnx.Rngs(0))
+            engine = JaxEngine(config, jax.devices()[:1], pad_id=PAD_ID, eos_ids=(EOS_ID,),
                                max_prompt_length=request["max_prompt_length"],
                                max_new_tokens=request["max_new_tokens"],
                                max_batch_size=request["max_batch_size"])

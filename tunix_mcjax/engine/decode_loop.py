@@ -137,7 +137,8 @@ class DecodeModel(Protocol):
         the rows' keys/values written)."""
 
     def copy_page(self, pool: Any, source: jax.Array, target: jax.Array) -> Any:
-        """The pool with page `target` holding page `source`'s contents, in every layer."""
+        """The pool with pages `target` holding pages `source`'s contents, in every layer
+        (arrays of page ids; a target past the pool is dropped)."""
 
 
 def replace(state: LoopState, **changes: Any) -> LoopState:
@@ -321,60 +322,63 @@ def prefill_phase(model: DecodeModel, shape: ProgramShape, params: Any, inp: Inp
 
 def admit_phase(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
                 masked_id: int | None, inp: Inputs, state: LoopState) -> LoopState:
-    """Waiting requests take free rows in priority order while the first one's prompt is resident
-    and a page is free for its copy of the prompt's last page."""
+    """Waiting requests take free rows, all at once and in priority order: the first ones whose
+    prompts are resident (up to the first that is not), while free rows last and the free stack
+    holds a page for each one's copy of its prompt's partly filled last page."""
+    b, column = shape.num_slots, jnp.arange(shape.table_pages)
+    priority = waiting_priority(state)
+    request = jnp.argsort(priority)[:b].astype(jnp.int32)
+    prompt = jnp.maximum(inp.request_prompts[request], 0)
+    length = inp.prompt_lens[prompt]
+    full, partial = length // shape.page_size, length % shape.page_size != 0
+    ready = (priority[request] < 2 * shape.num_requests) \
+        & (state.prompt_state[prompt] == RESIDENT)
+    ready = (jnp.cumprod(ready) > 0) & (jnp.arange(b) < jnp.sum(~state.active))
+    ready &= jnp.cumsum(ready & partial) <= state.free.count
 
-    def head(state: LoopState):
-        priority = waiting_priority(state)
-        request = jnp.argmin(priority).astype(jnp.int32)
-        prompt = jnp.maximum(inp.request_prompts[request], 0)
-        partial = inp.prompt_lens[prompt] % shape.page_size != 0
-        ready = (priority[request] < 2 * shape.num_requests) & jnp.any(~state.active) \
-            & (state.prompt_state[prompt] == RESIDENT) & (state.free.count >= partial)
-        return request, prompt, partial, ready
-
-    def admit_one(state: LoopState) -> LoopState:
-        request, prompt, partial, _ = head(state)
-        length = inp.prompt_lens[prompt]
-        full = length // shape.page_size
-        slot = jnp.argmin(state.active)
-        column = jnp.arange(shape.table_pages)
-        shared = jnp.where(column < full, state.prompt_tables[prompt][
-            jnp.minimum(column, shape.prompt_pages - 1)], -1)
-        copy, free = pg.take(state.free, partial[None])
-        table = jnp.where(column == full, copy[0], shared)
-        source = state.prompt_tables[prompt, jnp.minimum(full, shape.prompt_pages - 1)]
-        pool = jax.lax.cond(partial, lambda p: model.copy_page(p, source, copy[0]),
-                            lambda p: p, state.pool)
-        state = note_usage(replace(state, pool=pool, free=free))
-        fresh = state.out_lengths[request] == 0
-        token, logprob = draw(spec, masked_id, inp, state.prompt_logits[prompt][None],
-                              request[None], jnp.zeros((1,), jnp.int32))
-        state = jax.lax.cond(fresh, lambda s: record(s, request[None], jnp.zeros((1,), jnp.int32),
-                                                     token, logprob, jnp.ones((1,), bool)),
-                             lambda s: s, state)
+    def admit(state: LoopState) -> LoopState:
+        slot = jnp.where(ready, jnp.argsort(state.active, stable=True)[:b], b)  # free rows
+        copy, free = pg.take(state.free, ready & partial)
+        prompt_pages = state.prompt_tables[prompt]
+        shared = jnp.where(column[None] < full[:, None], jnp.take_along_axis(
+            prompt_pages, jnp.minimum(column, shape.prompt_pages - 1)[None].repeat(b, 0),
+            axis=1), -1)
+        table = jnp.where(column[None] == full[:, None], copy[:, None], shared)
+        source = jnp.take_along_axis(prompt_pages, jnp.minimum(full, shape.prompt_pages - 1)
+                                     [:, None], axis=1)[:, 0]
+        pool = model.copy_page(state.pool, jnp.maximum(source, 0),
+                               jnp.where(copy >= 0, copy, shape.num_pages))
+        fresh = ready & (state.out_lengths[request] == 0)
+        zero = jnp.zeros((b,), jnp.int32)
+        tokens, logprobs = draw(spec, masked_id, inp, state.prompt_logits[prompt], request, zero)
+        state = record(note_usage(replace(state, pool=pool, free=free)), request, zero, tokens,
+                       logprobs, fresh)
         first = state.out_tokens[request, 0]
-        rows = jnp.arange(shape.num_slots) == slot
+        # Rows that read a prompt's pages after another row of it did: what sharing saved.
+        same = jnp.tril(prompt[:, None] == prompt[None, :], k=-1) & ready[None, :]
+        readers = state.prompt_readers[prompt] + jnp.sum(same, axis=1)
+        target = jnp.where(ready, prompt, shape.num_prompts)
         state = replace(
             state,
-            active=state.active | rows,
-            row_request=jnp.where(rows, request, state.row_request),
-            row_cursor=jnp.where(rows, 0, state.row_cursor),
-            row_token=jnp.where(rows, first, state.row_token),
-            row_tables=jnp.where(rows[:, None], table[None], state.row_tables),
-            row_order=jnp.where(rows, state.admissions, state.row_order),
-            admissions=state.admissions + 1,
-            running=state.running.at[request].set(True),
-            prompt_rows=state.prompt_rows.at[prompt].add(1),
-            prompt_readers=state.prompt_readers.at[prompt].add(1),
-            shared_pages=state.shared_pages + jnp.where(state.prompt_readers[prompt] > 0, full,
-                                                        0),
+            active=state.active.at[slot].set(True, mode="drop"),
+            row_request=state.row_request.at[slot].set(request, mode="drop"),
+            row_cursor=state.row_cursor.at[slot].set(0, mode="drop"),
+            row_token=state.row_token.at[slot].set(first, mode="drop"),
+            row_tables=state.row_tables.at[slot].set(table, mode="drop"),
+            row_order=state.row_order.at[slot].set(
+                state.admissions + jnp.cumsum(ready) - 1, mode="drop"),
+            admissions=state.admissions + jnp.sum(ready),
+            running=state.running.at[jnp.where(ready, request, shape.num_requests)].set(
+                True, mode="drop"),
+            prompt_rows=state.prompt_rows.at[target].add(1, mode="drop"),
+            prompt_readers=state.prompt_readers.at[target].add(1, mode="drop"),
+            shared_pages=state.shared_pages + jnp.sum(jnp.where(ready & (readers > 0), full, 0)),
         )
-        ended = fresh & ends(inp, first[None], jnp.ones((1,), jnp.int32))[0]
-        return jax.lax.cond(ended, lambda s: vacate_rows(shape, inp, s, rows, rows),
-                            lambda s: s, state)
+        ended = fresh & ends(inp, first, jnp.ones((b,), jnp.int32))
+        rows = jnp.zeros((b,), bool).at[jnp.where(ended, slot, b)].set(True, mode="drop")
+        return vacate_rows(shape, inp, state, rows, rows)
 
-    return jax.lax.while_loop(lambda s: head(s)[3], admit_one, state)
+    return jax.lax.cond(jnp.any(ready), admit, lambda s: s, state)
 
 
 def decode_phase(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
@@ -483,10 +487,13 @@ def initial_state(shape: ProgramShape, inp: Inputs, pool: Any, vocab: int) -> Lo
 
 def iteration(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
               masked_id: int | None, params: Any, inp: Inputs, state: LoopState) -> LoopState:
-    """Prefill, admit, decode; `stalled` when none of them moved anything."""
+    """Prefill and admit (when a row is free and a request waits), then decode; `stalled`
+    when none of them moved anything."""
     before = (state.prefill_steps, state.admissions, jnp.sum(state.out_lengths))
-    state = prefill_phase(model, shape, params, inp, state)
-    state = admit_phase(model, shape, spec, masked_id, inp, state)
+    room = jnp.any(~state.active) & jnp.any(~state.done & ~state.running)
+    state = jax.lax.cond(room, lambda s: admit_phase(
+        model, shape, spec, masked_id, inp, prefill_phase(model, shape, params, inp, s)),
+        lambda s: s, state)
     state = jax.lax.cond(
         jnp.any(state.active),
         lambda s: decode_phase(model, shape, spec, masked_id, params, inp, s),

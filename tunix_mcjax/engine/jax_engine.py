@@ -517,7 +517,7 @@ class JaxEngine(Engine):
                                            stacked) for k in host_inputs[0]})
 
     def _pool(self, mesh_index: int) -> Any:
-        """The replica's page pool, made on first use and kept across calls."""
+        """The replica's page pool, made on first use (again after `free_pool_after_generate`)."""
         if self._pools[mesh_index] is None:
             mesh = self.meshes[mesh_index]
             model = self._decode_model(mesh)

@@ -16,8 +16,8 @@ sees keys at positions p - window < k <= p, by token position, MaxText's LOCAL_S
 - `reference_attention`: the definition, one row at a time over its keys and values (tests).
 - `SplitPages` (CPU, GPU): keys and values in two arrays `[kv_heads, pages, page_size,
   head_dim]`; every row at once over the first n pages of each table, n the longest live row
-  rounded up to a power of two (a `lax.switch` over those sizes), so a step costs what its live
-  tokens cost, not what the caps would.
+  rounded up to the next of a few sizes (a `lax.switch` over them, at most 25% past it), so a
+  step costs what its live tokens cost, not what the caps would.
 - `CombinedPages` (TPU): one array `[pages, page_size, 2 * kv_heads, head_dim]`, keys at even and
   values at odd heads, read by the Pallas kernel shipped with JAX after packing the rows'
   queries into its token layout (`rpa_arguments`). The kernel only reads; the model writes.
@@ -52,10 +52,10 @@ def attend_rows(q, k, v, kv_lens, q_lens, *, window: int | None = None, sinks=No
     if soft_cap:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
     scores = jnp.where(mask[None, :, :, None], scores, K_MASK)
+    # Slots past a row's length hold whatever a page held before: their scores are masked
+    # here (a select, so even NaN keys drop out) and their probabilities are exactly 0; values
+    # are finite there because `finite_values` is all a layout ever writes.
     probs = softmax_with_sinks(scores.astype(jnp.float32), sinks, kv_heads).astype(v.dtype)
-    # Slots past a row's length hold whatever a page held before: keep them out of the sum.
-    live = (k_pos[None, :] < kv_lens[:, None])[None, :, :, None]
-    v = jnp.where(live, v, jnp.zeros_like(v))
     out = jnp.einsum("KRCGL,KRLH->KRCGH", probs, v)
     out = jnp.moveaxis(out, 0, 2).reshape(r, c, n, h)
     real = jnp.arange(c)[None, :] < q_lens[:, None]
@@ -72,6 +72,12 @@ def softmax_with_sinks(scores: jax.Array, sinks, kv_heads: int) -> jax.Array:
     return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
 
 
+def finite_values(v: jax.Array) -> jax.Array:
+    """Values as a page keeps them: non-finite entries (a diverged row's) become 0, so a page
+    reused by another row never puts NaN into its sums (0 x NaN is NaN)."""
+    return jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v))
+
+
 def reference_attention(q, k_seq, v_seq, kv_lens, q_lens, **options) -> jax.Array:
     """The definition, one row at a time: k_seq/v_seq [R, L, K, H] are each row's keys and
     values by position (what its pages hold). `options`: `attend_rows`' window, sinks, scale
@@ -85,12 +91,17 @@ def reference_attention(q, k_seq, v_seq, kv_lens, q_lens, **options) -> jax.Arra
     return jnp.concatenate(rows, axis=0)
 
 
+BUCKETS_PER_OCTAVE = 4  # gather sizes between powers of two: at most 25% past the live pages
+
+
 def page_buckets(max_pages: int) -> tuple[int, ...]:
-    """Gather sizes: powers of two below `max_pages`, then `max_pages`."""
+    """Gather sizes up to `max_pages`: 1 to 4, then each a quarter past the one before (5, 6,
+    7, 8, 10, 12, 15, 18, ...), then `max_pages` itself: about 4 sizes per doubling."""
     sizes, n = [], 1
     while n < max_pages:
         sizes.append(n)
-        n *= 2
+        step = max(1, n // BUCKETS_PER_OCTAVE)
+        n += step
     return (*sizes, max_pages)
 
 
@@ -113,10 +124,11 @@ class SplitPages:
         def put(x, new):
             return x.at[:, pages, offsets].set(jnp.moveaxis(new, 2, 0).astype(x.dtype),
                                                mode="drop")
-        return put(layer[0], k), put(layer[1], v)
+        return put(layer[0], k), put(layer[1], finite_values(v))
 
     def copy_page(self, layer, source, target):
-        return tuple(x.at[:, target].set(x[:, source]) for x in layer)
+        """Pages `target` hold pages `source` (ids; a target past the pool is dropped)."""
+        return tuple(x.at[:, target].set(x[:, source], mode="drop") for x in layer)
 
     def sequences(self, layer, tables, num_pages: int):
         """Each row's keys and values [K, R, num_pages * page_size, H] from its first
@@ -155,11 +167,12 @@ class CombinedPages:
         return P(pages_axis, None, "tp", None)
 
     def write(self, layer, pages, offsets, k, v):
-        kv = jnp.stack([k, v], axis=-2).reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
+        kv = jnp.stack([k, finite_values(v)], axis=-2)  # [..., K, 2, H]: k, v alternate
+        kv = kv.reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
         return layer.at[pages, offsets].set(kv.astype(layer.dtype), mode="drop")
 
     def copy_page(self, layer, source, target):
-        return layer.at[target].set(layer[source])
+        return layer.at[target].set(layer[source], mode="drop")
 
     def sequences(self, layer, tables, num_pages: int):
         """Each row's keys and values [K, R, num_pages * page_size, H] (as SplitPages')."""

@@ -1,8 +1,10 @@
 """LoCoJAX-DA: trainer hosts and rollout hosts apart, on Ray, one step stale (paper §2, §4.4).
 
-The driver (this process; `python -m tunix_mcjax.launch ... rl_runtime=mcjax_da`) starts a
-local Ray cluster, H x rl_trainer_hosts_fraction trainer actors (one jax.distributed group, the
-colocated mode's FSDP train step) and the rest as rollout actors (one engine each). Schedule:
+The driver (this process; `python -m tunix_mcjax.launch ... rl_runtime=mcjax_da`) joins a Ray
+cluster (rl_ray_address or RAY_ADDRESS; else it starts a local one), places one actor per host
+(`ray_cluster.Placement`), H x rl_trainer_hosts_fraction trainer actors (one jax.distributed
+group, the colocated mode's FSDP train step) and the rest as rollout actors (one engine each).
+Schedule:
 
     publish v0; rollout batch 0 with v0
     step t: trainers apply batch t to v_t (-> v_t+1, published)  ||  rollouts make batch t+1
@@ -15,29 +17,33 @@ Eq. 4's max(rollout + weight load, train + publish).
 
 Faults: a dead trainer actor ends the run at once, named; a dead rollout actor too, unless
 `rl_rollout_restarts` allows a new one, which regenerates the lost batch with the same version
-and seed. A step's update is recorded only once every trainer finished it.
+and seed. A step's update is recorded only once every trainer finished it. A skipped
+(non-finite) update publishes nothing: the version and its object stay the last applied one.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import signal
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 
 import numpy as np
 import ray
 
-from tunix_mcjax import launch, metrics
+from tunix_mcjax import metrics
 from tunix_mcjax.config import Config
 from tunix_mcjax.runtime import ray_cluster, reporting
 from tunix_mcjax.runtime.ray_actors import RolloutWorker, TrainerWorker
-from tunix_mcjax.runtime.recovery import NonFinitePolicy
+from tunix_mcjax.runtime.recovery import NonFinitePolicy, Preempted
 
 # What a step record repeats from the trainer leader's result.
-TRAIN_FIELDS = ("trained_on", "batch_versions", "trainer_processes", "puts", "publish_bytes",
-                "rows_per_device", "loss", "grad_norm", "kl", "kl_loss", "finite")
+TRAIN_FIELDS = ("trained_on", "version", "batch_versions", "trainer_processes", "puts",
+                "publish_bytes", "rows_per_device", "loss", "grad_norm", "kl", "kl_loss",
+                "finite", "trainer_nodes")
 
 
 @dataclasses.dataclass
@@ -46,33 +52,64 @@ class Cluster:
 
     cfg: Config
     devices_per_host: int
+    placement: ray_cluster.Placement
     trainers: list
     rollouts: list
     restarts: list[int] = dataclasses.field(default_factory=list)  # per rollout actor
+    first_step: int = 0  # 0, or the step after the checkpoint the trainers resumed from
 
     @classmethod
     def start(cls, cfg: Config, hosts: int, devices_per_host: int) -> Cluster:
+        """Trainers on bundles 0..T-1 (one jax.distributed group, coordinator on bundle 0's
+        node), rollouts on the rest: one host each."""
         num_trainers, num_rollouts = cfg.disaggregated_split(hosts)
-        port = launch.free_port()
-        trainers = [ray_cluster.spawn(TrainerWorker, ray_cluster.actor_env(
-            devices_per_host, rank, num_trainers, port), cfg, rank)
+        placement = ray_cluster.Placement.create(hosts, cfg.collective_timeout_s)
+        try:
+            coordinator = placement.coordinator(cfg.compile_timeout_s)
+        except BaseException:
+            placement.remove()
+            raise
+        print(f"mcjax_da: {num_trainers} trainer and {num_rollouts} rollout hosts on "
+              f"{'one node per host' if placement.spread else 'this node'}; trainers' "
+              f"jax.distributed coordinator {coordinator[0]}:{coordinator[1]}", flush=True)
+        trainers = [ray_cluster.spawn(TrainerWorker, placement, rank, ray_cluster.actor_env(
+            devices_per_host, rank, num_trainers, coordinator), cfg, rank)
             for rank in range(num_trainers)]
-        cluster = cls(cfg, devices_per_host, trainers, [])
+        cluster = cls(cfg, devices_per_host, placement, trainers, [])
         cluster.rollouts = [cluster._rollout(r, num_rollouts) for r in range(num_rollouts)]
         cluster.restarts = [0] * num_rollouts
         return cluster
 
     def _rollout(self, index: int, num_rollouts: int):
         env = ray_cluster.actor_env(self.devices_per_host)
-        return ray_cluster.spawn(RolloutWorker, env, self.cfg, index, num_rollouts)
+        return ray_cluster.spawn(RolloutWorker, self.placement, len(self.trainers) + index, env,
+                                 self.cfg, index, num_rollouts)
 
     def close(self) -> None:
         ray_cluster.kill(self.trainers + self.rollouts)
+        self.placement.remove()
 
     def wait(self, calls: dict, what: str, compiles: bool) -> dict:
         cfg = self.cfg
         timeout = cfg.compile_timeout_s if compiles else cfg.collective_timeout_s
         return ray_cluster.wait_all(calls, timeout, what)
+
+    def resumed(self) -> dict:
+        """Where the trainers start (`TrainerWorker.resumed`); sets `first_step`."""
+        out = self.wait({f"trainer-{r}": t.resumed.remote() for r, t in enumerate(self.trainers)},
+                        "restore", compiles=True)["trainer-0"]
+        self.first_step = out["start_step"]
+        return out
+
+    def save(self, step: int, nonfinite_steps: int) -> str:
+        """Every trainer saves the state after update `step`; what was last saved."""
+        return self.wait({f"trainer-{r}": t.save.remote(step, nonfinite_steps)
+                          for r, t in enumerate(self.trainers)},
+                         f"checkpoint step {step}", compiles=False)["trainer-0"]
+
+    def close_checkpoints(self) -> None:
+        self.wait({f"trainer-{r}": t.close_checkpoints.remote()
+                   for r, t in enumerate(self.trainers)}, "checkpoint close", compiles=False)
 
     def publish_first(self) -> dict:
         out = self.wait({f"trainer-{r}": t.publish.remote() for r, t in enumerate(self.trainers)},
@@ -89,7 +126,7 @@ class Cluster:
                 ) -> tuple[list, list[dict]]:
         """(batch refs, records) of step `step`; a dead rollout actor is replaced while restarts
         last, and its batch regenerated with the same version and seed."""
-        compiles = step <= 1
+        compiles = step <= self.first_step + 1
         while True:
             try:
                 records = self.wait({f"rollout-{r}": refs[1] for r, refs in pending.items()},
@@ -121,20 +158,28 @@ class Cluster:
     def finish_train(self, step: int, calls: dict) -> dict:
         """The leader's result with every trainer's batch versions, once all applied the
         update."""
-        out = self.wait(calls, f"train step {step}", compiles=step <= 1)
-        versions = [v for r in range(len(self.trainers)) for v in out[f"trainer-{r}"][
-            "batch_versions"]]
-        return {**out["trainer-0"], "batch_versions": versions}
+        out = self.wait(calls, f"train step {step}", compiles=step <= self.first_step + 1)
+        ranks = range(len(self.trainers))
+        versions = [v for r in ranks for v in out[f"trainer-{r}"]["batch_versions"]]
+        return {**out["trainer-0"], "batch_versions": versions,
+                "trainer_nodes": [out[f"trainer-{r}"]["node_id"] for r in ranks]}
 
 
-def training_steps(cfg: Config, cluster: Cluster) -> Iterator[dict]:
-    """The one-step-stale schedule; yields each step's global record once it is applied."""
+def training_steps(cfg: Config, cluster: Cluster, stop: threading.Event | None = None
+                   ) -> Iterator[dict]:
+    """The one-step-stale schedule from the trainers' resume step; yields each step's global
+    record once it is applied. Checkpoints are saved every checkpoint_period steps and at the
+    last; once `stop` is set (the driver's SIGTERM), at the step just applied, and then
+    `Preempted` is raised."""
+    resumed = cluster.resumed()
+    last_checkpoint = resumed["checkpoint"]
     published = cluster.publish_first()
     version, weights = published["version"], published["weights"]  # the last published
     behaviour = (version, weights)  # the version the pending batch is generated with
-    pending = cluster.generate(0, *behaviour)
+    pending = cluster.generate(cluster.first_step, *behaviour)
     nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps)
-    for step in range(cfg.steps):
+    nonfinite.count = resumed["nonfinite_steps"]
+    for step in range(cluster.first_step, cfg.steps):
         start = time.perf_counter()
         batches, rollouts = cluster.collect(step, pending, *behaviour)
         training = cluster.train(step, batches)  # update t: v_t -> v_t+1 ...
@@ -142,10 +187,21 @@ def training_steps(cfg: Config, cluster: Cluster) -> Iterator[dict]:
             behaviour = (version, weights)
             pending = cluster.generate(step + 1, *behaviour)
         train = cluster.finish_train(step, training)
-        nonfinite.applied(step, train, "checkpointing is off under rl_runtime=mcjax_da")
+        nonfinite.applied(step, train, last_checkpoint)
         version, weights = train["version"], train["weights"]
         yield step_record(step, rollouts, train, sum(cluster.restarts), nonfinite.count,
                           time.perf_counter() - start)
+        preempted = stop is not None and stop.is_set()
+        if cfg.enable_checkpointing and (preempted or step == cfg.steps - 1
+                                         or (step + 1) % cfg.checkpoint_period == 0):
+            last_checkpoint = cluster.save(step, nonfinite.count)
+        if preempted:
+            if cfg.enable_checkpointing:
+                cluster.close_checkpoints()
+            raise Preempted(f"mcjax_da: SIGTERM to the driver; stopped after step {step}; "
+                            f"{last_checkpoint}. Rerun the same command to resume.")
+    if cfg.enable_checkpointing:
+        cluster.close_checkpoints()
 
 
 def step_record(step: int, rollouts: list[dict], train: dict, restarts: int,
@@ -160,22 +216,39 @@ def step_record(step: int, rollouts: list[dict], train: dict, restarts: int,
         staleness=[train["trained_on"] - v for v in train["batch_versions"]],
         weights_objects=[r["weights_object"] for r in rollouts],
         weight_load_s=max(r["load_s"] for r in rollouts), rollout_restarts=restarts,
+        rollout_nodes=[r["node_id"] for r in rollouts],
         nonfinite_steps=nonfinite_steps,
         **{k: train[k] for k in TRAIN_FIELDS if k in train})
     return rec
 
 
-def run(cfg: Config, hosts: int, devices_per_host: int) -> dict:
-    """The whole run from this driver; writes steps.jsonl and summary.json, returns the summary.
-    Raises `ray_cluster.ActorFailed` naming the actor that ended it."""
-    started = ray_cluster.start_local(hosts, cfg.rl_ray_object_store_mb)
-    records: list[dict] = []
-    log = metrics.JsonlSink(cfg.run_dir / "steps.jsonl")
+def run(cfg: Config, hosts: int | None, devices_per_host: int) -> dict:
+    """The whole run from this driver on `hosts` hosts (None: every host the cluster offers);
+    writes steps.jsonl and summary.json, returns the summary. Raises `ray_cluster.ActorFailed`
+    naming the actor that ended it, ConfigError when the cluster cannot hold the run."""
+    connected = ray_cluster.connect(cfg, hosts or 2)
+    try:
+        hosts = hosts or ray_cluster.cluster_hosts()
+        cfg.validate_topology(hosts, devices_per_host)
+        return _run(cfg, hosts, devices_per_host)
+    finally:
+        if connected:
+            ray.shutdown()
+
+
+def _run(cfg: Config, hosts: int, devices_per_host: int) -> dict:
     tensorboard = metrics.TensorBoard(cfg.run_dir / "tensorboard", cfg.log_period) \
         if cfg.enable_tensorboard else None
     cluster = Cluster.start(cfg, hosts, devices_per_host)
+    log, stop = None, threading.Event()
+    on_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, lambda *_: stop.set()) if on_main else None
     try:
-        for rec in training_steps(cfg, cluster):
+        steps = training_steps(cfg, cluster, stop)
+        for rec in steps:
+            if log is None:  # the trainers have said where the run starts
+                log = metrics.JsonlSink(cfg.run_dir / "steps.jsonl", cluster.first_step)
+                records = list(log.kept)
             records.append(rec)
             log(rec)
             if tensorboard is not None:
@@ -184,12 +257,13 @@ def run(cfg: Config, hosts: int, devices_per_host: int) -> dict:
                 print(metrics.progress_line(rec) + f" | staleness {rec['staleness']}",
                       flush=True)
     finally:
+        if on_main:
+            signal.signal(signal.SIGTERM, previous)
         cluster.close()
-        log.close()
+        if log is not None:
+            log.close()
         if tensorboard is not None:
             tensorboard.close()
-        if started:
-            ray.shutdown()
     return write_summary(cfg, records, hosts, devices_per_host)
 
 
@@ -217,6 +291,8 @@ def write_summary(cfg: Config, records: list[dict], hosts: int, devices_per_host
         "compiled_steps": int(sum(r["compiled"] for r in records)),
         "rollout_restarts": records[-1]["rollout_restarts"],
         "nonfinite_steps": records[-1]["nonfinite_steps"],
+        "actor_nodes": {**{f"trainer-{r}": n for r, n in enumerate(records[-1]["trainer_nodes"])},
+                        **{f"rollout-{r}": n for r, n in enumerate(records[-1]["rollout_nodes"])}},
     }
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(reporting.summary_table(summary), flush=True)

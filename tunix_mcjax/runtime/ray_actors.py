@@ -10,7 +10,8 @@ running the shared phases (`runtime.phases`) of its side of the step.
   publish: the leader `ray.put`s one host copy of the new weights, once per version; every
   rollout actor fetches that one object. With LoRA only the first publish is the whole tree;
   later ones are the adapters, and a rollout actor without the base (a restarted one) fetches
-  the first object too.
+  the first object too. An update skipped as non-finite changed nothing, so it publishes
+  nothing: the version and its object stay the last published ones.
 """
 
 from __future__ import annotations
@@ -27,13 +28,18 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tunix_mcjax import metrics, models, topology
 from tunix_mcjax.config import Config
 from tunix_mcjax.publish import nest, tree_bytes
-from tunix_mcjax.runtime import components, phases
+from tunix_mcjax.runtime import components, phases, recovery
 from tunix_mcjax.runtime.colocated import freeze_gc
 from tunix_mcjax.runtime.records import HostRecord, Rollout
 from tunix_mcjax.runtime.stepmath import LengthHistory
 from tunix_mcjax.tasks import load_task
 from tunix_mcjax.tokenizer import load_tokenizer
 from tunix_mcjax.trainer import Trainer
+
+
+def node_id() -> str:
+    """The Ray node this actor runs on."""
+    return ray.get_runtime_context().get_node_id()
 
 
 def host_copy(tree: Any) -> Any:
@@ -95,7 +101,7 @@ class RolloutWorker:
                                compiled=self.engine.compile_count > programs, rows_per_device=0,
                                train_compiled=False).to_json()
         return rollout, {**record, "load_s": timer.seconds["load"],
-                         "weights_object": self.weights_object}
+                         "weights_object": self.weights_object, "node_id": node_id()}
 
 
 class TrainerWorker:
@@ -114,11 +120,35 @@ class TrainerWorker:
         self.mesh = parts.mesh
         self._replicate = jax.jit(lambda t: t,
                                   out_shardings=NamedSharding(self.mesh, PartitionSpec()))
-        self.version, self.puts = 0, 0
+        # Checkpoints: the trainers' own (one Orbax save over their group), the colocated
+        # mode's state; the driver says when. A resumed policy's version is its update count.
+        self.state = recovery.RunState(cfg, self.watchdog, self.topo.is_leader)
+        self.history = LengthHistory(len(prompts.tokens))  # saved empty, so CO can resume it
+        self.nonfinite = recovery.NonFinitePolicy(cfg.max_nonfinite_steps)
+        self.start_step = recovery.restore(self.state, self.trainer, self.history,
+                                           self.nonfinite)
+        self.version, self.puts = self.start_step - self.nonfinite.count, 0
         self.base: ray.ObjectRef | None = None  # the first publish, held while the run lasts
+        self.published: dict | None = None  # the last publish, what a skipped update repeats
 
     def __repr__(self) -> str:
         return f"trainer-{self.rank}"
+
+    def resumed(self) -> dict:
+        """Where the run starts: {"start_step", "nonfinite_steps", "checkpoint"}."""
+        return {"start_step": self.start_step, "nonfinite_steps": self.nonfinite.count,
+                "checkpoint": self.state.describe_last()}
+
+    def save(self, step: int, nonfinite_steps: int) -> str:
+        """Saves the state after update `step` (every trainer joins); what was last saved."""
+        self.nonfinite.count = nonfinite_steps
+        self.state.save(step, lambda: recovery.train_state(self.trainer, self.history,
+                                                           self.nonfinite))
+        return self.state.describe_last()
+
+    def close_checkpoints(self) -> None:
+        """Waits for the saves in flight; the run's last call."""
+        self.state.close()
 
     def pid(self) -> int:
         return os.getpid()
@@ -142,11 +172,13 @@ class TrainerWorker:
                     self.base = weights[0]
                 if adapters_only:
                     weights.append(self.base)
-        return {"version": self.version, "weights": weights, "puts": self.puts,
-                "publish_bytes": tree_bytes(params), "publish_s": time.perf_counter() - t0}
+        self.published = {"version": self.version, "weights": weights, "puts": self.puts,
+                          "publish_bytes": tree_bytes(params)}
+        return {**self.published, "publish_s": time.perf_counter() - t0}
 
     def train(self, step: int, *rollouts: Rollout) -> dict:
-        """Update `step` (version v -> v+1) on this trainer's rollouts, then publish v+1."""
+        """Update `step` (version v -> v+1) on this trainer's rollouts, then publish v+1; a
+        skipped update keeps v and publishes nothing."""
         timer, local_devices = metrics.PhaseTimer(), len(self.topo.local_devices)
         with timer.phase("pack"):
             local, everyone = phases.pack(self.cfg, [s for r in rollouts for s in r.sequences()],
@@ -154,10 +186,15 @@ class TrainerWorker:
         k = everyone.rows_per_device(local_devices)
         with timer.phase("train"):
             result = self.train_phase(local, k)
-        trained_on, self.version = self.version, self.version + 1
+        trained_on = self.version
+        if result.applied:
+            self.version += 1
+            published = self.publish()
+        else:  # params and optimizer state are as they were: v_t is still the policy
+            published = {**self.published, "publish_s": 0.0}
         if step == 0 and self.cfg.rl_gc_freeze_after_warmup:
             freeze_gc()
-        return {**result.metrics, **self.publish(), "trained_on": trained_on,
+        return {**result.metrics, **published, "trained_on": trained_on, "node_id": node_id(),
                 "batch_versions": [r.policy_version for r in rollouts],
                 "trainer_processes": self.topo.num_hosts, "rows_per_device": k,
                 "pack_s": timer.seconds["pack"], "train_s": timer.seconds["train"],

@@ -1,0 +1,221 @@
+"""Cross-key rules: each names the keys involved and the fix, and runs after every key alone
+has passed its own type and constraint (tunix_mcjax/config/fields.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import TYPE_CHECKING, Any
+
+from tunix_mcjax.config.fields import ConfigError, keys_of
+from tunix_mcjax.config.sections import Disaggregated, Vllm
+
+if TYPE_CHECKING:
+    from tunix_mcjax.config.core import Config
+
+VLLM_KEYS = keys_of(Vllm)
+# The engines with a KV page pool, and the keys that size it.
+PAGED_ENGINES = ("jax", "vllm")
+KV_POOL_KEYS = ("hbm_utilization_vllm", "max_num_batched_tokens", "vllm_block_size",
+                "enable_prefix_caching")
+DA_KEYS = keys_of(Disaggregated)
+DA_SPLITS = (0.5, 0.25, 0.125)
+# What rl_runtime=mcjax_da does not do (yet), with the fix.
+DA_REFUSED = {
+    "num_test_batches": "evaluation runs in the colocated runtime only",
+    "profiler": "the JAX profiler is wired into the colocated step only",
+    "rl_async_metrics_export": "O1 moves the colocated metrics barrier off the step; "
+                               "disaggregated metrics are written by the Ray driver, off every "
+                               "actor's step already",
+    "rl_balance_by_expected_output": "the output-length history lives in the colocated runtime",
+}
+
+
+def changed(cfg: Config, keys: tuple[str, ...] | dict[str, str]) -> list[str]:
+    """Those of `keys` whose value is not the default."""
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    return [k for k in keys if getattr(cfg, k) != defaults[k]]
+
+
+def json_object(cfg: Config, key: str) -> dict[str, Any]:
+    """The JSON object a string key holds ({} when empty)."""
+    raw = getattr(cfg, key)
+    try:
+        value = json.loads(raw) if raw else {}
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{key} must be a JSON object, e.g. {key}='{{\"k\": 1}}': {e}") from e
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} must be a JSON object, got {raw!r}")
+    return value
+
+
+def check_rules(cfg: Config) -> None:
+    """Every cross-key rule that needs no cluster shape. Raises ConfigError."""
+    for rule in (_vllm, _kv_pool, _disaggregated, _runtime, _lengths_and_sampling,
+                 _model_and_data, _train_memory, _lora, _evaluation_and_profiler):
+        rule(cfg)
+
+
+def _vllm(cfg: Config) -> None:
+    if cfg.rollout_engine != "vllm":
+        if keys := changed(cfg, VLLM_KEYS):
+            raise ConfigError(f"{', '.join(keys)} configure the vLLM engine, but "
+                              f"rollout_engine={cfg.rollout_engine}: set rollout_engine=vllm "
+                              "or drop them")
+        return
+    if not cfg.rl_publish_weights_single_call:
+        raise ConfigError("rollout_engine=vllm publishes the whole param tree in one call (a "
+                          "partial publish is an error): set rl_publish_weights_single_call=true")
+    if cfg.rl_runtime == "single":
+        raise ConfigError("rl_runtime=single is the lockstep JAX baseline: use "
+                          "rollout_engine=jax with it")
+    for key in ("vllm_additional_config", "vllm_hf_overrides"):
+        json_object(cfg, key)
+
+
+def _kv_pool(cfg: Config) -> None:
+    if cfg.rollout_engine not in PAGED_ENGINES and (keys := changed(cfg, KV_POOL_KEYS)):
+        raise ConfigError(f"{', '.join(keys)} size a KV page pool, but "
+                          f"rollout_engine={cfg.rollout_engine} decodes MaxText's model "
+                          "over a dense cache (no pool yet): drop them, or use "
+                          f"rollout_engine={' or '.join(PAGED_ENGINES)}")
+    if not cfg.free_kv_cache_during_weight_sync and cfg.rollout_engine != "jax":
+        raise ConfigError(f"free_kv_cache_during_weight_sync=false keeps the jax engine's page "
+                          f"pool across steps; rollout_engine={cfg.rollout_engine} has no such "
+                          "choice here (vLLM keeps its pool): drop it")
+
+
+def _disaggregated(cfg: Config) -> None:
+    if cfg.rl_runtime != "mcjax_da":
+        if keys := changed(cfg, DA_KEYS):
+            raise ConfigError(f"{', '.join(keys)} configure rl_runtime=mcjax_da, but "
+                              f"rl_runtime={cfg.rl_runtime}: set rl_runtime=mcjax_da or drop them")
+        return
+    if cfg.rl_trainer_hosts_fraction not in DA_SPLITS:
+        raise ConfigError(f"rl_trainer_hosts_fraction={cfg.rl_trainer_hosts_fraction} is not one "
+                          f"of the paper's splits {', '.join(map(str, DA_SPLITS))}")
+    if refused := changed(cfg, DA_REFUSED):
+        raise ConfigError("rl_runtime=mcjax_da cannot honour "
+                          + "; ".join(f"{k} ({DA_REFUSED[k]})" for k in refused)
+                          + ". Drop them, or use rl_runtime=mcjax.")
+    if cfg.rollout_engine != "jax":
+        raise ConfigError(f"rl_runtime=mcjax_da runs rollout_engine=jax in its rollout actors; "
+                          f"rollout_engine={cfg.rollout_engine} is colocated-only for now")
+
+
+def _runtime(cfg: Config) -> None:
+    if cfg.rl_balance_by_expected_output and not cfg.rl_balance_prompts_by_length:
+        raise ConfigError("rl_balance_by_expected_output=true refines O3's length balance, which "
+                          "is off: also set rl_balance_prompts_by_length=true (or drop it)")
+    if cfg.rollout_engine == "maxtext" and cfg.rl_runtime == "single":
+        raise ConfigError("rollout_engine=maxtext runs one engine per host (rl_runtime=mcjax); "
+                          "rl_runtime=single's lockstep baseline is rollout_engine=jax's")
+
+
+def _lengths_and_sampling(cfg: Config) -> None:
+    if cfg.max_completion_length <= 0:
+        raise ConfigError(
+            f"completion budget max_target_length - max_prefill_predict_length = "
+            f"{cfg.max_target_length} - {cfg.max_prefill_predict_length} = "
+            f"{cfg.max_completion_length} must be > 0. Raise max_target_length.")
+    if cfg.decode_sampling_temperature <= 0 and cfg.decode_sampling_strategy != "greedy":
+        raise ConfigError("decode_sampling_temperature must be > 0 (or use "
+                          "decode_sampling_strategy=greedy)")
+
+
+def _model_and_data(cfg: Config) -> None:
+    if cfg.base_num_query_heads % cfg.base_num_kv_heads:
+        raise ConfigError("base_num_query_heads must be a multiple of base_num_kv_heads")
+    if cfg.tokenizer_type == "huggingface" and not cfg.tokenizer_path:
+        raise ConfigError("tokenizer_type=huggingface needs tokenizer_path=<dir with tokenizer>")
+
+
+def _train_memory(cfg: Config) -> None:
+    mb = cfg.train_micro_batch_size
+    if mb > 0 and (mb > cfg.batch_size or cfg.batch_size % mb):
+        raise ConfigError(
+            f"train_micro_batch_size={mb} prompts per micro-batch must divide batch_size="
+            f"{cfg.batch_size} (as in MaxText/Tunix). Use a divisor of {cfg.batch_size}, or -1 "
+            "for no gradient accumulation.")
+
+
+def _lora(cfg: Config) -> None:
+    """LoRA keys (lora.py): set only with a rank, a regex that compiles, an engine that decodes
+    the adapters."""
+    if not cfg.lora_rank:
+        if keys := changed(cfg, ("lora_alpha", "lora_module_path")):
+            raise ConfigError(f"{', '.join(keys)} configure LoRA, but lora_rank=0 (full "
+                              "fine-tuning): set lora_rank > 0, or drop them")
+        return
+    try:
+        re.compile(cfg.lora_module_path)
+    except re.error as e:
+        raise ConfigError(f"lora_module_path={cfg.lora_module_path!r} is not a regex: {e}") from e
+    if cfg.rollout_engine != "jax":
+        raise ConfigError(f"lora_rank={cfg.lora_rank}: rollout_engine={cfg.rollout_engine} does "
+                          "not decode LoRA adapters; use rollout_engine=jax")
+
+
+def _evaluation_and_profiler(cfg: Config) -> None:
+    """Evaluation and profiler keys (MaxText's checks, with the fix named)."""
+    if cfg.eval_schedule == "tunix" and cfg.num_test_batches > 0 and cfg.eval_interval <= 0:
+        raise ConfigError(f"eval_schedule=tunix evaluates every eval_interval steps (Tunix's "
+                          f"eval_every_n_steps), which must be >= 1; got {cfg.eval_interval}")
+    if not cfg.profiler:
+        return
+    if cfg.skip_first_n_steps_for_profiler < 0 or cfg.profiler_steps < 1:
+        raise ConfigError(
+            f"profiler={cfg.profiler} needs skip_first_n_steps_for_profiler >= 0 and "
+            f"profiler_steps >= 1, got {cfg.skip_first_n_steps_for_profiler} and "
+            f"{cfg.profiler_steps}")
+    if cfg.skip_first_n_steps_for_profiler >= cfg.steps:
+        raise ConfigError(
+            f"profiler={cfg.profiler}: skip_first_n_steps_for_profiler="
+            f"{cfg.skip_first_n_steps_for_profiler} starts the trace past the last of "
+            f"steps={cfg.steps} (MaxText refuses this too). Lower it below {cfg.steps}.")
+
+
+def disaggregated_split(cfg: Config, num_hosts: int) -> tuple[int, int]:
+    """(trainer hosts, rollout hosts) of `num_hosts` under rl_runtime=mcjax_da."""
+    trainers = cfg.rl_trainer_hosts_fraction * num_hosts
+    if trainers < 1 or trainers != int(trainers) or num_hosts - trainers < 1:
+        raise ConfigError(
+            f"rl_trainer_hosts_fraction={cfg.rl_trainer_hosts_fraction} of {num_hosts} hosts "
+            f"is {trainers:g} trainer hosts: it must be a whole number >= 1 that leaves a "
+            f"rollout host. Use --hosts {round(1 / cfg.rl_trainer_hosts_fraction)} or a "
+            "multiple of it.")
+    rollouts = num_hosts - int(trainers)
+    if cfg.batch_size < rollouts:
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} prompts per step leaves some of the {rollouts} "
+            f"rollout hosts without a prompt ({num_hosts} hosts, rl_trainer_hosts_fraction="
+            f"{cfg.rl_trainer_hosts_fraction}). Raise batch_size, or use fewer hosts.")
+    if cfg.rl_balance_prompts_by_length and cfg.batch_size % rollouts:
+        raise ConfigError(
+            f"rl_balance_prompts_by_length=true gives every host the same number of prompts, "
+            f"but batch_size={cfg.batch_size} does not divide by the {rollouts} rollout "
+            f"hosts. Use a multiple of {rollouts}, or turn O3 off (shares then differ by "
+            "at most one prompt).")
+    return int(trainers), rollouts
+
+
+def check_topology(cfg: Config, num_hosts: int, local_devices: int) -> None:
+    """Divisibility rules that need the cluster shape. Raises ConfigError."""
+    if cfg.rl_runtime == "mcjax_da":
+        disaggregated_split(cfg, num_hosts)
+        num_hosts = 1  # the global batch is split over rollout hosts, checked above
+    if cfg.batch_size % num_hosts:
+        raise ConfigError(
+            f"batch_size={cfg.batch_size} prompts per step does not divide by {num_hosts} "
+            f"hosts: every host needs whole GRPO groups. Use a multiple of {num_hosts}.")
+    tp = cfg.rollout_tensor_parallelism
+    if local_devices % tp:
+        raise ConfigError(
+            f"rollout_tensor_parallelism={tp} does not divide the {local_devices} local "
+            f"devices of a host. Use a divisor of {local_devices}.")
+    dp = cfg.rollout_data_parallelism
+    if dp != -1 and dp * tp > local_devices:
+        raise ConfigError(
+            f"rollout_data_parallelism={dp} x rollout_tensor_parallelism={tp} needs "
+            f"{dp * tp} devices but a host has {local_devices}.")

@@ -1,0 +1,391 @@
+"""The config's keys, one frozen dataclass per concern; `Config` joins them in `SECTIONS` order.
+
+Keys that MaxText has keep MaxText's name and meaning (`batch_size` is prompts per step,
+`max_target_length` is prompt + completion tokens). Each section's docstring heads its part of
+the generated reference (docs/configuration-reference.md): a title line, then an introduction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+from tunix_mcjax.config.fields import Check, at_least, between, key, non_negative, positive
+
+section = dataclasses.dataclass(frozen=True)
+Dtype = Literal["float32", "bfloat16"]
+
+
+@section
+class Run:
+    """Run
+
+    Where a run writes, how long it is, and which runtime runs it."""
+
+    run_name: str = key("run", "Name of the run; its directory is base_output_directory/run_name.",
+                        runtime_only=True)
+    base_output_directory: str = key(
+        "runs", "Parent of the run directory: any path etils.epath opens (local, gs://).",
+        runtime_only=True)
+    seed: int = key(0, "Seed of the prompt order, sampling and evaluation.")
+    steps: int = key(100, "Training steps (one batch and its updates each).", check=positive(),
+                     runtime_only=True)
+    rl_runtime: Literal["mcjax", "single", "mcjax_da"] = key(
+        "mcjax", "mcjax: colocated, one process per host; single: the lockstep JAX baseline; "
+        "mcjax_da: disaggregated trainer and rollout hosts on Ray.")
+
+
+@section
+class Data:
+    """Data and rewards
+
+    The task, its tokenizer and reward functions, and what happens to over-long prompts."""
+
+    tokenizer_type: Literal["char", "huggingface"] = key(
+        "char", "char: the built-in character tokenizer; huggingface: the one in tokenizer_path.")
+    tokenizer_path: str = key(
+        "", "Directory of a Hugging Face tokenizer (tokenizer_type=huggingface).")
+    dataset_name: str = key(
+        "next_digit", "A built-in task (next_digit), or gsm8k with hf_train_files.")
+    hf_train_files: str = key("", "Local .jsonl, .json or .parquet file of question/answer rows.")
+    reward_functions: tuple[str, ...] = key(
+        (), "package.module:function names, called as fn(prompts=, completions=, **fields); "
+        "empty: the task's default reward.")
+    data_repeat_period: int = key(
+        0, "N > 0: the batches of steps 0..N-1 repeat (the benchmark protocol); 0: no repeat.",
+        check=non_negative())
+    filter_long_prompts: bool = key(
+        True, "Prompts over max_prefill_predict_length are dropped and counted, as MaxText does; "
+        "false: one is an error.")
+
+
+@section
+class Model:
+    """Model
+
+    MaxText's `base_*` names for the model's shape (a tiny Qwen3 by default), its dtypes and
+    weights."""
+
+    model_name: str = key("qwen3-tiny", "Model preset; qwen3-tiny takes the shape keys below.")
+    base_num_decoder_layers: int = key(2, "Decoder layers.", check=positive())
+    base_emb_dim: int = key(64, "Embedding (hidden) width.", check=positive())
+    base_mlp_dim: int = key(128, "MLP hidden width.", check=positive())
+    base_num_query_heads: int = key(
+        4, "Query heads; a multiple of base_num_kv_heads.", check=positive())
+    base_num_kv_heads: int = key(2, "Key/value heads.", check=positive())
+    head_dim: int = key(16, "Width of one attention head.", check=positive())
+    vocab_size: int = key(0, "Vocabulary size; 0: taken from the tokenizer.", check=non_negative())
+    rope_max_timescale: int = key(10_000, "RoPE's maximum timescale (theta).")
+    dtype: Dtype = key("float32", "Activation dtype.")
+    weight_dtype: Dtype = key("float32", "The trainer's weight dtype.")
+    init_weights_seed: int = key(0, "Seed of the random initial weights.")
+    load_parameters_path: str = key(
+        "", "A local Hugging Face safetensors directory to load; empty: random init.")
+
+
+@section
+class Batch:
+    """Batch and lengths
+
+    The GRPO batch of a step and its token budgets."""
+
+    batch_size: int = key(8, "Prompts per step, global.", check=positive())
+    num_generations: int = key(8, "Completions per prompt (a GRPO group).",
+                               check=at_least(2, "(GRPO advantages need a group)"))
+    max_prefill_predict_length: int = key(8, "Prompt budget (tokens).", check=positive())
+    max_target_length: int = key(
+        12, "Prompt + completion budget (tokens); above max_prefill_predict_length.")
+    ignore_eos: bool = key(False, "Force every completion to its full budget (benchmarks).")
+
+
+@section
+class Sampling:
+    """Sampling
+
+    How completions are sampled (MaxText's `decode_sampling_*` keys)."""
+
+    decode_sampling_strategy: Literal["weighted", "greedy"] = key(
+        "weighted", "weighted: sample from the (filtered) distribution; greedy: argmax.")
+    decode_sampling_temperature: float = key(
+        1.0, "Softmax temperature; > 0 unless decode_sampling_strategy=greedy.")
+    decode_sampling_top_k: int = key(0, "Keep the k likeliest tokens; 0: off.",
+                                     check=non_negative())
+    decode_sampling_nucleus_p: float = key(
+        1.0, "Keep the smallest set of tokens with this much probability; 1.0: off.",
+        check=between(0, 1, "(]"))
+
+
+@section
+class Rollout:
+    """Rollout engine
+
+    The per-host engine that generates completions ([Engines](engines.md))."""
+
+    rollout_engine: Literal["jax", "maxtext", "vllm"] = key(
+        "jax", "jax: our decode loop over Tunix Qwen3 (dense Qwen3 only); maxtext: the same loop "
+        "over MaxText's own model, any family MaxText trains (MaxText adapter); vllm: vLLM.")
+    rollout_tensor_parallelism: int = key(
+        1, "Devices one engine replica shards over; divides a host's devices.", check=positive())
+    rollout_data_parallelism: int = key(
+        -1, "Engine replicas per host; -1: local devices / rollout_tensor_parallelism.",
+        check=Check(lambda v: v == -1 or v >= 1, ">= 1 or -1",
+                    ">= 1 replicas, or -1 for local devices / rollout_tensor_parallelism"),
+        runtime_only=True)
+    rollout_continuous_batching: bool = key(
+        True, "Decode the host's requests as one stream, refilling finished rows; false: in waves"
+        " of rollout_max_batch_size.", runtime_only=True)
+    rollout_max_batch_size: int = key(
+        64, "Rows one replica decodes at once.", check=positive(), runtime_only=True)
+    rollout_weight_dtype: Literal["", "float32", "bfloat16"] = key(
+        "", "The engine's weight dtype; empty: weight_dtype. bfloat16 halves the engine's copy "
+        "(python -m tunix_mcjax.plan shows what it saves).")
+
+
+@section
+class KvPool:
+    """KV page pool
+
+    The paged KV cache of rollout_engine=jax and vllm (MaxText's key names)."""
+
+    hbm_utilization_vllm: float = key(
+        0.72, "Share of each device the engine may hold, weights and page pool together (vLLM on "
+        "CPU: VLLM_CPU_KVCACHE_SPACE GiB instead).",
+        check=between(0, 1, "(]", "(the share of each device the engine may hold)"),
+        runtime_only=True)
+    max_num_batched_tokens: int = key(
+        0, "Prompt tokens one scheduler step prefills (chunked prefill); 0: the engine's default "
+        "(jax: 2048).", check=at_least(0, "(0: the engine's default)"), runtime_only=True)
+    vllm_block_size: int = key(
+        0, "Tokens per KV page; 0: the engine's default (jax: 16).",
+        check=at_least(0, "(0: the engine's default)"), runtime_only=True)
+    enable_prefix_caching: bool = key(
+        True, "Requests with the same prompt (a GRPO group) share its KV pages, prefilled once.",
+        runtime_only=True)
+    free_kv_cache_during_weight_sync: bool = key(
+        True, "The jax engine gives its page pool back after each rollout, so the train step has "
+        "that memory; false keeps it across steps.", runtime_only=True)
+
+
+@section
+class Vllm:
+    """vLLM engine
+
+    Keys of rollout_engine=vllm only (MaxText's key names)."""
+
+    enable_dp_attention: bool = key(
+        False, "tpu-inference's attention data-parallel mesh axis (TPU only).")
+    async_scheduling: bool = key(False, "vLLM's asynchronous scheduling (overlaps scheduling "
+                                 "with the model step).")
+    vllm_additional_config: str = key("", "JSON object: vLLM's additional_config; empty: none.")
+    vllm_hf_overrides: str = key(
+        "", "JSON object laid over the Hugging Face config vLLM builds its Qwen3 from; "
+        "empty: none.")
+
+
+@section
+class Algorithm:
+    """Algorithm
+
+    The GRPO loss (MaxText's names, Tunix's semantics) and the updates per batch."""
+
+    grpo_beta: float = key(0.0, "KL penalty weight against the reference model; 0: none.",
+                           check=non_negative())
+    grpo_epsilon: float = key(
+        0.2, "Clip range: the ratio is clipped to [1 - eps, 1 + eps] (Tunix's default 0.2).",
+        check=between(0, 1, "()", "(the ratio is clipped to [1 - eps, 1 + eps])"))
+    loss_algo: Literal["grpo", "gspo-token"] = key(
+        "grpo", "Token-level (grpo) or sequence-level (gspo-token) importance ratio; on-policy "
+        "they are the same update.")
+    loss_agg_mode: Literal["token-mean", "sequence-mean-token-mean"] = key(
+        "sequence-mean-token-mean", "How per-token losses are averaged into the step's loss.")
+    advantage_estimator: Literal["grpo"] = key("grpo", "Group-normalised advantages (GRPO's).")
+    num_iterations: int = key(
+        1, "Optimizer updates on each step's batch (MaxText's rl.num_iterations, GRPO's mu); "
+        "after the first, off-policy against the engine's logprobs.",
+        check=at_least(1, "optimizer updates per batch (1: on-policy GRPO, MaxText's default)"))
+
+
+@section
+class Optimizer:
+    """Optimizer
+
+    AdamW with linear warm-up and gradient clipping (MaxText's names)."""
+
+    learning_rate: float = key(3e-3, "Peak learning rate.", check=positive())
+    warmup_steps_fraction: float = key(
+        0.0, "Warm-up length as a fraction of all updates (steps x num_iterations).",
+        check=between(0, 1, "[)", "(a fraction of steps)"))
+    adam_b1: float = key(0.9, "Adam's beta1.", check=between(0, 1, "[)"))
+    adam_b2: float = key(0.99, "Adam's beta2.", check=between(0, 1, "[)"))
+    adam_eps: float = key(1e-8, "Adam's epsilon.", check=positive())
+    adam_weight_decay: float = key(0.0, "Decoupled weight decay.", check=non_negative())
+    gradient_clipping_threshold: float = key(
+        1.0, "Global gradient-norm clip; 0: off.", check=non_negative())
+
+
+@section
+class TrainMemory:
+    """Train-step memory
+
+    How the FSDP update trades memory for compute
+    ([Train-step memory](configuration.md#train-step-memory))."""
+
+    fsdp_gather_params_once: Literal["auto", "true", "false"] = key(
+        "auto", "true: gather the FSDP params once per forward pass; false: keep them sharded "
+        "through compute; auto: memory.gather_params_once decides.", runtime_only=True)
+    train_micro_batch_size: int = key(
+        -1, "Prompts per micro-batch (MaxText's); its gradients accumulate into one update; "
+        "<= 0 or batch_size: no accumulation.")
+    train_logits_chunk_tokens: int = key(
+        2048, "Tokens per device whose fp32 logits exist at once when scoring; 0: all at once.",
+        check=at_least(0, "(0: no chunking)"))
+    remat_policy: Literal["none", "full"] = key(
+        "none", "full: keep only each decoder layer's input for the backward and recompute the "
+        "layer (MaxText's key); none: keep all activations.")
+
+
+@section
+class Lora:
+    """LoRA
+
+    Tunix's lora_config.rank, alpha and module_path, with qwix's meaning
+    ([LoRA](configuration.md#lora-tunix_mcjaxlorapy))."""
+
+    lora_rank: int = key(
+        0, "Adapter rank; 0: full fine-tuning. > 0: only the adapters train, publish and "
+        "checkpoint.", check=at_least(0, "(0: full fine-tuning)"))
+    lora_alpha: float = key(64.0, "Adapter scale is lora_alpha / lora_rank (qwix); Tunix's "
+                            "run_qwen3.sh value.", check=positive("(scale = alpha / rank)"))
+    lora_module_path: str = key(
+        ".*q_proj|.*k_proj|.*v_proj|.*o_proj|.*gate_proj|.*down_proj|.*up_proj",
+        "Regex fully matched against Tunix Qwen3 module paths (layers/3/attn/q_proj); the "
+        "default, Tunix 0.1.7's run_qwen3.sh value, adapts all seven projections.")
+
+
+@section
+class Checkpoints:
+    """Checkpoints
+
+    Saving and resuming ([Reliability](reliability.md))."""
+
+    enable_checkpointing: bool = key(False, "Save checkpoints and resume from the latest.",
+                                     runtime_only=True)
+    checkpoint_period: int = key(
+        50, "Steps between checkpoints (and one after the last step).", check=positive(),
+        runtime_only=True)
+    max_num_checkpoints_to_keep: int = key(2, "Checkpoints kept; older ones are deleted.",
+                                           check=positive(), runtime_only=True)
+    checkpoint_directory: str = key(
+        "", "Where checkpoints are saved and resumed from; empty: `<run dir>/checkpoints` "
+        "(Tunix's checkpoint_root_directory).", runtime_only=True)
+
+
+@section
+class Evaluation:
+    """Evaluation
+
+    MaxText's evaluation schedule; it needs an evaluator, which the MaxText adapter builds from
+    MaxText's `eval_*` keys."""
+
+    num_test_batches: int = key(
+        0, "Evaluation batches (MaxText's); 0: no evaluation.",
+        check=at_least(0, "(0: no evaluation)"), runtime_only=True)
+    eval_interval: int = key(
+        -1, "Steps between evaluations during training; <= 0: only before and after training.",
+        runtime_only=True)
+    eval_schedule: Literal["maxtext", "tunix"] = key(
+        "maxtext", "maxtext: before training, every eval_interval steps and after the last; "
+        "tunix: Tunix's learner, before each step whose finished count divides by eval_interval.",
+        runtime_only=True)
+
+
+@section
+class Reporting:
+    """Logging and profiler
+
+    Metrics, TensorBoard and JAX traces (MaxText's names and meanings)."""
+
+    log_period: int = key(1, "Steps between metric records.", check=positive(), runtime_only=True)
+    enable_tensorboard: bool = key(
+        False, "Host 0 writes TensorBoard scalars under `<run dir>/tensorboard`, flushed every "
+        "log_period steps.", runtime_only=True)
+    profiler: Literal["", "xplane"] = key(
+        "", "xplane: a JAX profiler trace per host under `<run dir>/tensorboard/host_<h>`; "
+        "empty: off.", runtime_only=True)
+    skip_first_n_steps_for_profiler: int = key(
+        1, "Steps before the trace starts, counted from the run's (or resume's) first step.",
+        runtime_only=True)
+    profiler_steps: int = key(
+        5, "Steps the trace covers (it ends at the last step at the latest).", runtime_only=True)
+
+
+@section
+class Optimizations:
+    """Optimizations O1-O4
+
+    The paper's four optimizations (Appendix B), each off by default
+    ([Design](design.md#optimizations-o1o4-paper-appendix-b-each-off-by-default))."""
+
+    rl_async_metrics_export: bool = key(
+        False, "O1: host 0 exports the records through a bounded queue and a background "
+        "thread, not inline in the step.", runtime_only=True)
+    rl_gc_freeze_after_warmup: bool = key(
+        False, "O2: after the warm-up step, gc.collect(), gc.freeze(), automatic GC off.",
+        runtime_only=True)
+    rl_balance_prompts_by_length: bool = key(
+        False, "O3: assign prompts to hosts longest-processing-time-first by prompt length.",
+        runtime_only=True)
+    rl_balance_by_expected_output: bool = key(
+        False, "O3+: also weigh each prompt's mean completion length from earlier epochs "
+        "(needs rl_balance_prompts_by_length).", runtime_only=True)
+    rl_publish_weights_single_call: bool = key(
+        False, "O4: one gather and one engine load for the whole param tree, not one per leaf.",
+        runtime_only=True)
+    rl_metrics_queue_size: int = key(1024, "Bound of O1's queue of pending records.",
+                                     check=positive(), runtime_only=True)
+
+
+@section
+class Recovery:
+    """Errors and timeouts
+
+    Watchdogs and the non-finite step policy ([Reliability](reliability.md))."""
+
+    collective_timeout_s: float = key(
+        300.0, "Budget of a cross-host phase before the run aborts (seconds).", check=positive(),
+        runtime_only=True)
+    compile_timeout_s: float = key(
+        1800.0, "Budget of a cross-host phase that compiles (step 0, a new rows-per-device K, "
+        "start-up): compiling a large model can outlast collective_timeout_s.",
+        check=positive(), runtime_only=True)
+    max_nonfinite_steps: int = key(
+        0, "Steps with a non-finite loss or gradient norm are never applied; 0: the first stops "
+        "the run; N: skip up to N, then stop.", check=non_negative(), runtime_only=True)
+
+
+@section
+class Disaggregated:
+    """Disaggregated mode
+
+    Keys of rl_runtime=mcjax_da: trainer and rollout hosts apart, on Ray
+    ([Disaggregated mode](disaggregated.md))."""
+
+    rl_trainer_hosts_fraction: float = key(
+        0.5, "Share of the hosts that train; the rest generate, one step stale. The paper's "
+        "splits: 0.5, 0.25, 0.125.")
+    rl_rollout_restarts: int = key(
+        0, "Times each rollout actor may be restarted after it dies (its batch is regenerated); "
+        "0: a dead rollout actor ends the run.", check=at_least(0), runtime_only=True)
+    rl_ray_object_store_mb: int = key(
+        512, "Object store of the local Ray cluster (MiB): a published copy of the weights per "
+        "version in flight, and the rollout batches.",
+        check=at_least(75, "(Ray's smallest object store is 75 MB)"), runtime_only=True)
+    rl_ray_address: str = key(
+        "", "Ray cluster the driver joins (\"auto\", \"HEAD_IP:6379\", \"ray://HEAD_IP:10001\"): "
+        "one actor per node that offers the mcjax_host resource. Empty: RAY_ADDRESS when set, "
+        "else the launcher starts a local cluster of its own (development).", runtime_only=True)
+
+
+SECTIONS = (Run, Data, Model, Batch, Sampling, Rollout, KvPool, Vllm, Algorithm, Optimizer,
+            TrainMemory, Lora, Checkpoints, Evaluation, Reporting, Optimizations, Recovery,
+            Disaggregated)
