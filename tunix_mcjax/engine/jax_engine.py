@@ -223,6 +223,7 @@ class JaxEngine(Engine):
         self._check_pool()
         self._params: list[dict[LeafPath, jax.Array]] = [{} for _ in self.meshes]
         self._pools: list[Any] = [None for _ in self.meshes]
+        self._replica_models: dict[int, DecodeModel] = {}
         self._programs: dict[tuple[Any, ...], Any] = {}
         self.last_stats: list[dict[str, int]] = []  # per program of the last call
 
@@ -246,6 +247,12 @@ class JaxEngine(Engine):
     def _decode_model(self, mesh: Mesh) -> DecodeModel:
         platform = mesh.devices.flat[0].platform
         return Qwen3PagedModel(self.model_config, mesh, layout_for(platform))
+
+    def _replica_model(self, mesh_index: int) -> DecodeModel:
+        """The decode model of replica (mesh) `mesh_index`, built once."""
+        if mesh_index not in self._replica_models:
+            self._replica_models[mesh_index] = self._decode_model(self.meshes[mesh_index])
+        return self._replica_models[mesh_index]
 
     def _tree(self, flat: Mapping[LeafPath, Any]) -> dict[str, Any]:
         """The nested param tree the decode model takes."""
@@ -519,9 +526,8 @@ class JaxEngine(Engine):
     def _pool(self, mesh_index: int) -> Any:
         """The replica's page pool, made on first use (again after `free_pool_after_generate`)."""
         if self._pools[mesh_index] is None:
-            mesh = self.meshes[mesh_index]
-            model = self._decode_model(mesh)
-            replicas = mesh.shape["data"]  # > 1 in lockstep only: a pool slice each
+            replicas = self.meshes[mesh_index].shape["data"]  # > 1 in lockstep: a slice each
+            model = self._replica_model(mesh_index)
             self._pools[mesh_index] = model.empty_pool(self.num_pages * replicas, self.page_size)
         return self._pools[mesh_index]
 
@@ -531,7 +537,7 @@ class JaxEngine(Engine):
         cache_key = (mesh_index, shape, spec)
         if cache_key not in self._programs:
             mesh = self.meshes[mesh_index]
-            model = self._decode_model(mesh)
+            model = self._replica_model(mesh_index)
             vocab = self.model_config.vocab_size
             if self.lockstep:
                 fn = self._lockstep(build_program(model, shape, spec, self.masked_id, vocab,

@@ -331,6 +331,7 @@ class MaxTextPagedModel:
             raise ValueError("the paged maxtext engine decodes an unscanned model "
                              "(scan_layers=false; a uniform stack is unstacked for it)")
         self.config, self.mesh, self.layout, self.mode = config, mesh, layout, MODEL_MODE_TRAIN
+        self._pool_makers: dict[tuple[int, int], Any] = {}
         self.rules = config.logical_axis_rules
         model = abstract_model(config, mesh, MODEL_MODE_TRAIN)
         self.graph, _ = nnx.split(model, nnx.Param)
@@ -366,14 +367,16 @@ class MaxTextPagedModel:
         return out
 
     def empty_pool(self, num_pages: int, page_size: int) -> list[Any]:
-        def make():
-            return [self.layout.empty(num_pages, page_size, *self.slot_shapes[slot], self.dtype)
-                    for slot in sorted(self.slot_shapes)]
+        if (num_pages, page_size) not in self._pool_makers:  # compiled once per pool shape
+            def make():
+                return [self.layout.empty(num_pages, page_size, *self.slot_shapes[slot],
+                                          self.dtype) for slot in sorted(self.slot_shapes)]
 
-        shardings = [jax.sharding.NamedSharding(self.mesh, spec) for spec in self._specs()]
-        shardings = [jax.tree.map(lambda _, s=s: s, layer) for s, layer in
-                     zip(shardings, jax.eval_shape(make), strict=True)]
-        return jax.jit(make, out_shardings=shardings)()
+            shardings = [jax.sharding.NamedSharding(self.mesh, spec) for spec in self._specs()]
+            shardings = [jax.tree.map(lambda _, s=s: s, layer) for s, layer in
+                         zip(shardings, jax.eval_shape(make), strict=True)]
+            self._pool_makers[num_pages, page_size] = jax.jit(make, out_shardings=shardings)
+        return self._pool_makers[num_pages, page_size]()
 
     def forward(self, params: Any, pool: list[Any], rows: Any) -> tuple[jax.Array, list[Any]]:
         call = _PagedCall(self.layout, pool, rows)

@@ -162,16 +162,18 @@ class Qwen3PagedModel:
 
     def __init__(self, cfg: ModelConfig, mesh: jax.sharding.Mesh, layout: PageLayout):
         self.cfg, self.layout, self.mesh = cfg, layout, mesh
+        self._pool_makers: dict[tuple[int, int], Any] = {}  # compiled once per pool shape
 
     def empty_pool(self, num_pages: int, page_size: int) -> list[Any]:
         cfg = self.cfg
+        if (num_pages, page_size) not in self._pool_makers:
+            def make():
+                return [self.layout.empty(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                                          cfg.dtype) for _ in range(cfg.num_layers)]
 
-        def make():
-            return [self.layout.empty(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                                      cfg.dtype) for _ in range(cfg.num_layers)]
-
-        sharding = NamedSharding(self.mesh, self.layout.spec("data"))
-        return jax.jit(make, out_shardings=sharding)()
+            sharding = NamedSharding(self.mesh, self.layout.spec("data"))
+            self._pool_makers[num_pages, page_size] = jax.jit(make, out_shardings=sharding)
+        return self._pool_makers[num_pages, page_size]()
 
     def forward(self, params: Params, pool: list[Any], rows: PagedRows):
         logits, pool = paged_forward(self.cfg, params, pool, rows, self.layout)
