@@ -67,6 +67,7 @@ def test_demo_across_four_nodes_one_actor_each_staleness_one_reward_rises(tmp_pa
     assert np.polyfit(np.arange(10), reward, 1)[0] > 0
 
 
+@pytest.mark.slow  # about 65 s; the 4-node demo above stays in the default suite
 def test_a_killed_rollout_raylet_ends_the_run_named_within_60s(tmp_path, ray_nodes):
     cluster, nodes = ray_nodes
     ray.init(address=cluster.address, configure_logging=False)

@@ -107,6 +107,7 @@ def test_skipped_nonfinite_update_publishes_nothing_new(tmp_path):
     assert objects[0] == objects[1] != objects[2] == objects[3]
 
 
+@pytest.mark.slow  # about 80 s: two driver launches
 def test_sigterm_saves_after_the_step_in_flight_exits_143_and_a_new_driver_resumes(tmp_path):
     """The real signal, through the launcher (which starts its own local Ray cluster): the
     trainers save the step just applied, exit 143. Then a new driver's trainers restore it and
