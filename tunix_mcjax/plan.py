@@ -228,20 +228,6 @@ def prompt_bucket(longest: int, cap: int) -> int:
     return min(max(jax_engine.MIN_PROMPT_BUCKET, pow2_at_least(longest)), cap)
 
 
-def prefill_chunk(prompt_len: int, batched_tokens: int) -> tuple[int, int]:
-    """(tokens per prefill row, rows per loop iteration), as `JaxEngine._shape` chooses them:
-    the largest power of two <= `batched_tokens`, at most the prompt bucket."""
-    chunk = min(prompt_len, 1 << (batched_tokens.bit_length() - 1))
-    return chunk, batched_tokens // chunk
-
-
-def least_pool_pages(prompt_len: int, max_new: int, page_size: int) -> int:
-    """The fewest pages a pool may hold (`JaxEngine._check_pool`): one sequence at the caps, and
-    its prompt's pages beside it."""
-    return pages.cdiv(prompt_len, page_size) + pages.sequence_pages(prompt_len, max_new,
-                                                                     page_size)
-
-
 def share_prompts(requests: int, group: int) -> int:
     """Distinct prompts in `requests` consecutive requests of groups of `group`, at most (a share
     may start and end inside a group)."""
@@ -281,12 +267,12 @@ def paged_shape(cfg: Config, cluster: Cluster, m: ModelShape) -> PagedShape:
                                 max_new, page_size)
     budget = int(cfg.hbm_utilization_vllm * cluster.device_bytes) - engine_weight_bytes(cfg, m)
     pool = pages.pool_pages(budget, one_page, needed)
-    chunk, rows_per_budget = prefill_chunk(prompt_len, batched)
+    chunk, rows_per_budget = pages.prefill_chunk(prompt_len, batched)
     return PagedShape(
         requests=requests, distinct_prompts=distinct, num_requests=n, num_prompts=u,
         num_slots=slots, prompt_len=prompt_len, max_new=max_new, page_size=page_size,
         page_bytes=one_page, pool_pages=pool, pool_limited_by_budget=pool < needed,
-        least_pages=least_pool_pages(prompt_cap, max_new, page_size), chunk=chunk,
+        least_pages=pages.least_pool_pages(prompt_cap, max_new, page_size), chunk=chunk,
         prefill_rows=max(1, min(u, rows_per_budget)))
 
 

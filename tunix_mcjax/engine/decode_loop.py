@@ -340,9 +340,8 @@ def admit_phase(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
         slot = jnp.where(ready, jnp.argsort(state.active, stable=True)[:b], b)  # free rows
         copy, free = pg.take(state.free, ready & partial)
         prompt_pages = state.prompt_tables[prompt]
-        shared = jnp.where(column[None] < full[:, None], jnp.take_along_axis(
-            prompt_pages, jnp.minimum(column, shape.prompt_pages - 1)[None].repeat(b, 0),
-            axis=1), -1)
+        shared = jnp.where(column[None] < full[:, None],
+                           prompt_pages[:, jnp.minimum(column, shape.prompt_pages - 1)], -1)
         table = jnp.where(column[None] == full[:, None], copy[:, None], shared)
         source = jnp.take_along_axis(prompt_pages, jnp.minimum(full, shape.prompt_pages - 1)
                                      [:, None], axis=1)[:, 0]

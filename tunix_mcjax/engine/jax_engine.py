@@ -290,9 +290,8 @@ class JaxEngine(Engine):
     def _check_pool(self) -> None:
         """One sequence at the caps, with its prompt's pages, must fit: then the loop always
         moves (a lone row never waits on a page)."""
-        least = (pages.cdiv(self.max_prompt_length, self.page_size)
-                 + pages.sequence_pages(self.max_prompt_length, self.max_new_tokens,
-                                        self.page_size))
+        least = pages.least_pool_pages(self.max_prompt_length, self.max_new_tokens,
+                                       self.page_size)
         if self.num_pages < least:
             raise ValueError(
                 f"the KV page pool holds {self.num_pages} pages of {self.page_size} tokens, but "
@@ -494,13 +493,13 @@ class JaxEngine(Engine):
         """The program shape of a share: the largest request and prompt counts of its replicas."""
         n = max(len(h["request_prompts"]) for h in host_inputs)
         u = max(len(h["prompt_lens"]) for h in host_inputs)
-        chunk = min(prompt_bucket, 1 << (self.max_num_batched_tokens.bit_length() - 1))
+        chunk, rows = pages.prefill_chunk(prompt_bucket, self.max_num_batched_tokens)
         return ProgramShape(
             num_requests=n, num_slots=n if self.lockstep else min(n, pow2_at_least(
                 self.max_batch_size)),
             num_prompts=u, prompt_len=prompt_bucket, max_new=new_bucket,
             page_size=self.page_size, num_pages=self.num_pages, chunk=chunk,
-            prefill_rows=max(1, min(u, self.max_num_batched_tokens // chunk)))
+            prefill_rows=max(1, min(u, rows)))
 
     @staticmethod
     def _pad_inputs(h: dict[str, Any], shape: ProgramShape) -> dict[str, Any]:

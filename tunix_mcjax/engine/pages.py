@@ -46,6 +46,19 @@ def pages_needed(num_slots: int, prompt_len: int, max_new: int, page_size: int) 
     return num_slots * sequence_pages(prompt_len, max_new, page_size)
 
 
+def least_pool_pages(prompt_len: int, max_new: int, page_size: int) -> int:
+    """The fewest pages a pool may hold: one sequence at the caps and its prompt's pages beside
+    it, so a lone row never waits on a page and the loop always moves."""
+    return cdiv(prompt_len, page_size) + sequence_pages(prompt_len, max_new, page_size)
+
+
+def prefill_chunk(prompt_len: int, batched_tokens: int) -> tuple[int, int]:
+    """(tokens per prefill row, rows per loop iteration) under a budget of `batched_tokens`:
+    the largest power of two <= the budget, at most the prompt bucket."""
+    chunk = min(prompt_len, 1 << (batched_tokens.bit_length() - 1))
+    return chunk, batched_tokens // chunk
+
+
 def pool_pages(budget_bytes: int, one_page_bytes: int, needed: int) -> int:
     """Pages a pool of `budget_bytes` holds, never more than it can use (`needed`)."""
     return max(0, min(needed, budget_bytes // max(1, one_page_bytes)))
