@@ -7,7 +7,11 @@ every arm decodes the same number of tokens. The dataset holds exactly `batches`
 batches, and `data_repeat_period` replays them: steps 0..B-1 and B..2B-1 see the same batches.
 `gsm8k-cpu-eos` and `numina-cpu-eos` honour EOS instead, so completions stop early and pack
 unevenly as in real RL (numina-cpu-eos far below its 1024-token cap); the equal-work rule
-(`bench.equal_work`) then checks that the arms' lengths agree.
+(`bench.equal_work`) then checks that the arms' lengths agree. Training moves a random-init
+policy's lengths (at the default learning rate, numina-cpu-eos's mean output over its 40 steps was
+96 tokens in the mcjax arm and 124 in Tunix's), so numina-cpu-eos trains at a learning rate too
+small to move them: its arms sample from the same length distribution at every step, and a step
+costs the same at any rate.
 `gsm8k-cpu-lora` is gsm8k-cpu with LoRA on (Tunix's `run_qwen3.sh` rank, alpha and module
 path). `demo-cpu` is `recipes/cpu/demo.yml`'s task and config (next digit, 2 new tokens).
 """
@@ -42,6 +46,8 @@ class Profile:
     ignore_eos: bool = True
     # Another task and its keys instead of the synthetic GSM8K rows (no data file).
     task: dict[str, Any] = dataclasses.field(default_factory=dict)
+    # Further keys of every arm (e.g. the learning rate).
+    keys: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def recipe(self, data_file: str) -> dict[str, Any]:
         """Config keys shared by every arm."""
@@ -57,6 +63,7 @@ class Profile:
             "ignore_eos": self.ignore_eos,
             "tokenizer_type": "char",
             **self.model,
+            **self.keys,
         }
 
 
@@ -83,7 +90,7 @@ PROFILES = {p.name: p for p in (
     # Decode-heavy RL as it runs: a 1024-token cap far above the typical completion (a
     # random-init model meets EOS about once in 100 tokens: mean near 100, a few past 400).
     Profile("numina-cpu-eos", "decode-heavy, EOS honoured", 4, 8, 32, 1024, (12, 31),
-            ignore_eos=False),
+            ignore_eos=False, keys={"learning_rate": 1e-6}),
     # gsm8k-cpu with run_qwen3.sh's LoRA: the workload of the tunix-cli arm's comparison.
     Profile("gsm8k-cpu-lora", "balanced, LoRA on", 4, 16, 32, 128, (12, 31), RUN_QWEN3_LORA),
     # recipes/cpu/demo.yml: 16 prompts x 32 samples, prompts "d=" (3 tokens with BOS).
