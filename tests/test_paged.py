@@ -95,6 +95,29 @@ def test_split_pages_attention_equals_the_reference_on_ragged_rows(page_size):
     assert np.abs(np.asarray(moved)[0, 0] - np.asarray(got)[0, 0]).max() > 1e-3
 
 
+@pytest.mark.parametrize("soft_cap", [None, 2.0])
+def test_gpu_decode_kernel_equals_the_reference_in_pallas_interpret_mode(soft_cap):
+    """The GPU path, on CPU: JAX's Pallas GPU `paged_attention` in its interpreter, on decode
+    rows (one query each; row 3 is padding) over shared and shuffled pages with page sizes
+    that do not divide the lengths; prefill chunks and windows take SplitPages' path."""
+    (q, k_seq, v_seq, tables, kv_lens, _), pool = ragged_case(3)
+    decode_q, decode_lens = q[:, :1], (kv_lens > 0).astype(jnp.int32)
+    want = pa.reference_attention(decode_q, k_seq, v_seq, kv_lens, decode_lens,
+                                  soft_cap=soft_cap)
+    gpu = pa.GpuPages(interpret=True)
+    got = gpu.attend(decode_q, split_layer(*pool), tables, kv_lens, decode_lens,
+                     soft_cap=soft_cap)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert np.all(np.asarray(got)[3] == 0)
+    (q, k_seq, v_seq, tables, kv_lens, q_lens), pool = ragged_case(4)
+    chunks = gpu.attend(q, split_layer(*pool), tables, kv_lens, q_lens, window=5)
+    np.testing.assert_allclose(chunks, pa.reference_attention(q, k_seq, v_seq, kv_lens, q_lens,
+                                                              window=5), atol=1e-5)
+    assert [type(pa.layout_for(p, n)).__name__ for p, n in
+            [("gpu", 1), ("gpu", 2), ("tpu", 4), ("cpu", 1)]] == [
+        "GpuPages", "SplitPages", "CombinedPages", "SplitPages"]
+
+
 def test_attention_reads_only_live_slots_of_a_rows_pages():
     """Stale slots (every page no row uses, and the slots past each row's length) never reach
     the output: NaN keys there are masked out, huge values get probability exactly 0. Values

@@ -246,7 +246,7 @@ class JaxEngine(Engine):
 
     def _decode_model(self, mesh: Mesh) -> DecodeModel:
         platform = mesh.devices.flat[0].platform
-        return Qwen3PagedModel(self.model_config, mesh, layout_for(platform))
+        return Qwen3PagedModel(self.model_config, mesh, layout_for(platform, mesh.devices.size))
 
     def _replica_model(self, mesh_index: int) -> DecodeModel:
         """The decode model of replica (mesh) `mesh_index`, built once."""

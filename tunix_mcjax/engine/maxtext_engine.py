@@ -99,8 +99,8 @@ class MaxTextEngine(JaxEngine):
     def _decode_model(self, mesh: Mesh) -> MaxTextPagedModel:
         key = id(mesh)
         if key not in self._models:
-            self._models[key] = MaxTextPagedModel(self._config(), mesh,
-                                                  layout_for(mesh.devices.flat[0].platform))
+            layout = layout_for(mesh.devices.flat[0].platform, mesh.devices.size)
+            self._models[key] = MaxTextPagedModel(self._config(), mesh, layout)
         return self._models[key]
 
     def _page_bytes(self, tp: int) -> int:

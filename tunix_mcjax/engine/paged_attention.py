@@ -18,6 +18,8 @@ sees keys at positions p - window < k <= p, by token position, MaxText's LOCAL_S
   head_dim]`; every row at once over the first n pages of each table, n the longest live row
   rounded up to the next of a few sizes (a `lax.switch` over them, at most 25% past it), so a
   step costs what its live tokens cost, not what the caps would.
+- `GpuPages` (GPU): SplitPages' arrays; decode rows (one query each, no window or sinks) go
+  through JAX's Pallas GPU `paged_attention` kernel, everything else through SplitPages' path.
 - `CombinedPages` (TPU): one array `[pages, page_size, 2 * kv_heads, head_dim]`, keys at even and
   values at odd heads, read by the Pallas kernel shipped with JAX after packing the rows'
   queries into its token layout (`rpa_arguments`). The kernel only reads; the model writes.
@@ -162,6 +164,43 @@ class SplitPages:
                               q, layer, tables, kv_lens, q_lens)
 
 
+class GpuPages(SplitPages):
+    """SplitPages' layout, with decode steps on JAX's Pallas GPU `paged_attention` kernel: its
+    pages are SplitPages' `[kv_heads, pages, page_size, head_dim]` and its loop stops at each
+    row's length. Prefill chunks, sliding windows and sinks (which it lacks) take the XLA path.
+    `interpret`: run the kernel in Pallas' interpreter (CPU tests)."""
+
+    def __init__(self, interpret: bool = False):
+        self.interpret = interpret
+
+    def attend(self, q, layer, tables, kv_lens, q_lens, *, window: int | None = None,
+               sinks=None, scale: float | None = None, soft_cap: float | None = None
+               ) -> jax.Array:
+        if q.shape[1] != 1 or window or sinks is not None:
+            return super().attend(q, layer, tables, kv_lens, q_lens, window=window, sinks=sinks,
+                                  scale=scale, soft_cap=soft_cap)
+        import warnings
+
+        with warnings.catch_warnings():  # JAX marks the module deprecated; it ships in 0.12
+            warnings.simplefilter("ignore", DeprecationWarning)
+            from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+        width = tables.shape[1]
+        splits = largest_divisor(width, 16)  # the kernel splits a table into equal partitions
+        per_block = largest_divisor(width // splits, 8)
+        scaled = q[:, 0] * (q.shape[-1]**-0.5 if scale is None else scale)
+        out = paged_attention(scaled, layer[0], layer[1], jnp.maximum(tables, 0),
+                              jnp.where(q_lens > 0, kv_lens, 0).astype(jnp.int32),
+                              k_splits=splits, pages_per_compute_block=per_block,
+                              attn_logits_soft_cap=soft_cap or None, interpret=self.interpret)
+        return jnp.where((q_lens > 0)[:, None, None], out, 0)[:, None]
+
+
+def largest_divisor(n: int, at_most: int) -> int:
+    """The largest divisor of `n` that is at most `at_most`."""
+    return max(d for d in range(1, min(n, at_most) + 1) if n % d == 0)
+
+
 class CombinedPages:
     """One array `[pages, page_size, 2 * kv_heads, head_dim]`, keys at even and values at odd
     combined heads: the layout of JAX's TPU `ragged_paged_attention`, which attends."""
@@ -229,7 +268,10 @@ def unpack_rows(out: jax.Array, where: tuple, shape: tuple[int, ...]) -> jax.Arr
     return rows.at[jnp.where(real, row, shape[0]), col].set(out, mode="drop")
 
 
-def layout_for(platform: str) -> SplitPages | CombinedPages:
-    """The page layout a replica on `platform` uses: the Pallas kernel's on TPU, XLA's
-    elsewhere."""
-    return CombinedPages() if platform == "tpu" else SplitPages()
+def layout_for(platform: str, devices: int = 1) -> SplitPages | CombinedPages:
+    """The page layout of a replica mesh of `devices` devices on `platform`: the Pallas
+    kernel's on TPU; on GPU the Pallas decode kernel for a one-device mesh (XLA does not
+    partition a Pallas call over a mesh), XLA's elsewhere."""
+    if platform == "tpu":
+        return CombinedPages()
+    return GpuPages() if platform == "gpu" and devices == 1 else SplitPages()
