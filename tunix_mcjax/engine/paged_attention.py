@@ -27,6 +27,7 @@ sees keys at positions p - window < k <= p, by token position, MaxText's LOCAL_S
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -179,8 +180,6 @@ class GpuPages(SplitPages):
         if q.shape[1] != 1 or window or sinks is not None:
             return super().attend(q, layer, tables, kv_lens, q_lens, window=window, sinks=sinks,
                                   scale=scale, soft_cap=soft_cap)
-        import warnings
-
         with warnings.catch_warnings():  # JAX marks the module deprecated; it ships in 0.12
             warnings.simplefilter("ignore", DeprecationWarning)
             from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
