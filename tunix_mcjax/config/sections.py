@@ -8,6 +8,7 @@ the generated reference (docs/configuration-reference.md): a title line, then an
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from tunix_mcjax.config.fields import Check, at_least, between, key, non_negative, positive
@@ -193,6 +194,11 @@ class Algorithm:
     grpo_epsilon: float = key(
         0.2, "Clip range: the ratio is clipped to [1 - eps, 1 + eps] (Tunix's default 0.2).",
         check=between(0, 1, "()", "(the ratio is clipped to [1 - eps, 1 + eps])"))
+    epsilon_high: float = key(
+        -1.0, "Upper clip: the ratio is clipped to [1 - grpo_epsilon, 1 + epsilon_high] (DAPO's "
+        "clip-higher, Tunix's epsilon_high; DAPO uses 0.28); -1: grpo_epsilon.",
+        check=Check(lambda v: v == -1 or 0 < v < math.inf, "> 0 or -1",
+                    "> 0 (the upper clip), or -1 for grpo_epsilon"))
     loss_algo: Literal["grpo", "gspo-token"] = key(
         "grpo", "Token-level (grpo) or sequence-level (gspo-token) importance ratio; on-policy "
         "they are the same update.")
@@ -203,6 +209,27 @@ class Algorithm:
         1, "Optimizer updates on each step's batch (MaxText's rl.num_iterations, GRPO's mu); "
         "after the first, off-policy against the engine's logprobs.",
         check=at_least(1, "optimizer updates per batch (1: on-policy GRPO, MaxText's default)"))
+
+
+@section
+class Agentic:
+    """Agentic rollouts
+
+    Multi-turn, tool-using rollouts and their importance ratio (MaxText's `rl.*` keys, Tunix's
+    agentic GRPO learner; [Agentic rollouts](agentic.md))."""
+
+    use_agentic_rollout: bool = key(
+        False, "Multi-turn rollouts: the model's turns alternate with tool or environment "
+        "observations, which carry no loss.")
+    off_policy_steps: int = key(
+        0, "Updates a rollout's weights may lag the trainer's (Tunix's bounded staleness); the "
+        "ratio's old logps are then the engine's (use_rollout_logps).", check=non_negative())
+    use_rollout_logps: bool = key(
+        True, "Agentic runs: the ratio's old logps are the engine's logprobs from the first "
+        "update on (Tunix's agentic learner); false: the trainer's own at the step's start.")
+    force_on_policy_ratio: bool = key(
+        False, "Agentic runs: old logps = stop_gradient(current), the ratio exactly 1 "
+        "(num_iterations=1 only).")
 
 
 @section
@@ -386,6 +413,6 @@ class Disaggregated:
         "else the launcher starts a local cluster of its own (development).", runtime_only=True)
 
 
-SECTIONS = (Run, Data, Model, Batch, Sampling, Rollout, KvPool, Vllm, Algorithm, Optimizer,
-            TrainMemory, Lora, Checkpoints, Evaluation, Reporting, Optimizations, Recovery,
-            Disaggregated)
+SECTIONS = (Run, Data, Model, Batch, Sampling, Rollout, KvPool, Vllm, Algorithm, Agentic,
+            Optimizer, TrainMemory, Lora, Checkpoints, Evaluation, Reporting, Optimizations,
+            Recovery, Disaggregated)

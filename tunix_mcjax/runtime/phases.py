@@ -193,7 +193,7 @@ def pack(cfg: Config, seqs: list[packing.Sequence], pad_id: int, num_local_devic
     batch, what every host sent)."""
     rows = packing.pack(seqs, cfg.max_target_length, pad_id)
     message = exchange.HostMessage(
-        rows.num_rows, len(seqs), stepmath.completion_tokens(seqs),
+        rows.num_rows, stepmath.loss_sequences(seqs), stepmath.completion_tokens(seqs),
         np.zeros(0) if metrics is None else metrics,
         np.zeros((0, 2)) if lengths is None else lengths)
     everyone = exchange.exchange(message, watchdog)

@@ -29,7 +29,13 @@ def sequences(prompts: Sequence[np.ndarray], completions: Sequence[Completion],
 
 
 def completion_tokens(seqs: Sequence[packing.Sequence]) -> int:
-    return sum(len(s.completion) for s in seqs)
+    """Completion tokens that carry loss (the model's; not an agentic run's tool tokens)."""
+    return int(sum(s.model_mask().sum() for s in seqs))
+
+
+def loss_sequences(seqs: Sequence[packing.Sequence]) -> int:
+    """Sequences with at least one token that carries loss (Tunix's non-empty rows)."""
+    return sum(1 for s in seqs if s.model_mask().any())
 
 
 def local_batch(rows: packing.Rows, rows_per_device: int, num_local_devices: int, pad_id: int,

@@ -1,0 +1,37 @@
+"""Cross-key rules of the agentic keys (sections.Agentic): MaxText's and Tunix's meanings, or a
+refusal that names the fix."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING
+
+from tunix_mcjax.config.fields import ConfigError
+
+if TYPE_CHECKING:
+    from tunix_mcjax.config.core import Config
+
+# Keys whose meaning exists only with use_agentic_rollout=true (MaxText passes them only to
+# Tunix's agentic learner).
+AGENTIC_ONLY = ("off_policy_steps", "use_rollout_logps", "force_on_policy_ratio")
+
+
+def check(cfg: Config) -> None:
+    defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    if not cfg.use_agentic_rollout:
+        if keys := [k for k in AGENTIC_ONLY if getattr(cfg, k) != defaults[k]]:
+            raise ConfigError(
+                f"{', '.join(keys)} apply to agentic rollouts only (MaxText passes them to "
+                "Tunix's agentic learner alone): set use_agentic_rollout=true, or drop them")
+        return
+    if cfg.force_on_policy_ratio and cfg.num_iterations > 1:
+        raise ConfigError(
+            f"force_on_policy_ratio=true pins the ratio to 1, which holds for one update per "
+            f"batch only (MaxText's rule): set num_iterations=1 (got {cfg.num_iterations})")
+    if not cfg.use_rollout_logps and cfg.num_iterations > 1:
+        raise ConfigError(
+            "use_rollout_logps=false takes old logps from the trainer at the step's start, "
+            "which this runtime does not recompute for later updates: set num_iterations=1 or "
+            "use_rollout_logps=true (the engine's logprobs)")
+    raise ConfigError("use_agentic_rollout=true: multi-turn rollouts are not implemented yet; "
+                      "drop it (epsilon_high works without it)")
