@@ -13,7 +13,9 @@ if TYPE_CHECKING:
 
 # Keys whose meaning exists only with use_agentic_rollout=true (MaxText passes them only to
 # Tunix's agentic learner).
-AGENTIC_ONLY = ("off_policy_steps", "use_rollout_logps", "force_on_policy_ratio")
+AGENTIC_ONLY = ("off_policy_steps", "use_rollout_logps", "force_on_policy_ratio",
+                "agentic_environment", "system_prompt", "data_template_path", "max_concurrency",
+                "agentic_max_turn_tokens", "agentic_tool_timeout_s")
 
 
 def check(cfg: Config) -> None:
@@ -33,5 +35,9 @@ def check(cfg: Config) -> None:
             "use_rollout_logps=false takes old logps from the trainer at the step's start, "
             "which this runtime does not recompute for later updates: set num_iterations=1 or "
             "use_rollout_logps=true (the engine's logprobs)")
-    raise ConfigError("use_agentic_rollout=true: multi-turn rollouts are not implemented yet; "
-                      "drop it (epsilon_high works without it)")
+    if cfg.rl_runtime != "mcjax":
+        raise ConfigError(f"use_agentic_rollout=true runs in the colocated runtime only; "
+                          f"rl_runtime={cfg.rl_runtime}: use rl_runtime=mcjax")
+    if cfg.rollout_engine == "vllm":
+        raise ConfigError("use_agentic_rollout=true decodes turns on our decode loop: use "
+                          "rollout_engine=jax or maxtext")

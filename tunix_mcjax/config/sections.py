@@ -230,6 +230,22 @@ class Agentic:
     force_on_policy_ratio: bool = key(
         False, "Agentic runs: old logps = stop_gradient(current), the ratio exactly 1 "
         "(num_iterations=1 only).")
+    agentic_environment: str = key(
+        "tunix_mcjax.agentic.demo:lookup_conversation",
+        "package.module:function building one trajectory's Tunix agent and environment, "
+        "called as fn(prompt, fields, seed=, system_prompt=) -> (agent, env).")
+    system_prompt: str = key("", "The agent's system prompt (MaxText's rl.system_prompt).")
+    data_template_path: str = key(
+        "", "JSON chat template of the conversation: role formats for system, user, "
+        "assistant, tool and generation; empty: plain lines.")
+    max_concurrency: int = key(
+        256, "Conversations of a host decoded in one engine call (MaxText's).", check=positive())
+    agentic_max_turn_tokens: int = key(
+        0, "Tokens of one model turn; 0: max_target_length - max_prefill_predict_length.",
+        check=non_negative())
+    agentic_tool_timeout_s: float = key(
+        30.0, "Budget of one round's environment steps; a step past it ends its trajectory "
+        "(status tool_timeout, reward 0).", check=positive())
 
 
 @section

@@ -47,8 +47,12 @@ class ColocatedRuntime:
                                    tx=parts.optimizer)
         self.engine = engine_factory(cfg, parts.engine_model_config, list(topo.local_devices),
                                      self.prompts.pad_id, self.prompts.eos_ids)
-        self.rollouts = phases.RolloutPhases(cfg, self.prompts, self.engine, topo.num_hosts,
-                                             topo.host)
+        rollouts = phases.RolloutPhases
+        if cfg.use_agentic_rollout:
+            from tunix_mcjax.agentic.phases import AgenticRollouts
+
+            rollouts = AgenticRollouts
+        self.rollouts = rollouts(cfg, self.prompts, self.engine, topo.num_hosts, topo.host)
         self.train = phases.TrainPhase(self.trainer, self.watchdog, cfg.num_iterations)
         self.publisher = Publisher(parts.mesh, cfg.rl_publish_weights_single_call)
         self.evaluation = evaluation.EvalSchedule(cfg, parts.evaluator, topo, self.watchdog)
@@ -76,6 +80,8 @@ class ColocatedRuntime:
                                           local_devices, self.watchdog,
                                           metrics=self.reporter.outgoing(), lengths=lengths)
         self.reporter.arrived(everyone.metrics)
+        if rollout.turns is not None:  # agentic: the tokens that carry loss in the packed rows
+            rollout.turns["loss_tokens"] = float(local["loss_mask"].sum())
         k = everyone.rows_per_device(local_devices)
         with timer.phase("train"):
             result = self.train(local, k)

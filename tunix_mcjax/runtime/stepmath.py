@@ -21,11 +21,14 @@ ROW_FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "adv
 
 
 def sequences(prompts: Sequence[np.ndarray], completions: Sequence[Completion],
-              advantages: np.ndarray) -> list[packing.Sequence]:
+              advantages: np.ndarray, masks: Sequence[np.ndarray] | None = None
+              ) -> list[packing.Sequence]:
     """Completion j with its prompt `prompts[j]`, its advantage and its behaviour logprobs (the
-    engine's logprobs of the sampled tokens: the old policy of the importance ratio)."""
-    return [packing.Sequence(p, c.tokens, float(a), c.logprobs)
-            for p, c, a in zip(prompts, completions, advantages, strict=True)]
+    engine's logprobs of the sampled tokens: the old policy of the importance ratio); `masks`:
+    each completion's model mask (agentic trajectories), None: every token is the model's."""
+    masks = masks if masks is not None else [None] * len(completions)
+    return [packing.Sequence(p, c.tokens, float(a), c.logprobs, m)
+            for p, c, a, m in zip(prompts, completions, advantages, masks, strict=True)]
 
 
 def completion_tokens(seqs: Sequence[packing.Sequence]) -> int:

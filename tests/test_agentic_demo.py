@@ -1,0 +1,53 @@
+"""The agentic tool demo (recipes/cpu/demo_agentic.yml) as 2 hosts x 1 device, through the
+launcher: multi-turn trajectories on each host's engine, turn counts per step, and packed rows
+whose loss covers the model's tokens only. One launch serves the module's tests."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from tests.mp import TINY, launch, read_jsonl
+
+STEPS = 3
+SHAPE = [*TINY, "batch_size=4", "num_generations=4", f"steps={STEPS}"]
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    out = tmp_path_factory.mktemp("agentic")
+    t0 = time.monotonic()
+    proc = launch(["--hosts", "2", "--devices-per-host", "1", "recipes/cpu/demo_agentic.yml",
+                   *SHAPE, f"base_output_directory={out}"], timeout=600)
+    print(f"agentic demo: {time.monotonic() - t0:.0f}s")
+    return proc, out / "demo_agentic"
+
+
+def test_two_hosts_exit_zero_with_multi_turn_steps(demo):
+    proc, run = demo
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((run / "summary.json").read_text())
+    assert summary["hosts"] == 2 and summary["steps"] == STEPS
+    for host in (0, 1):
+        records = read_jsonl(run / f"host_{host}.jsonl")
+        assert [r["step"] for r in records] == list(range(STEPS))
+        for r in records:
+            turns = r["turns"]
+            assert turns["turns/max"] == 2.0 and 1.0 <= turns["turns/mean"] <= 2.0
+            assert turns["tool_calls/mean"] > 0 and turns["rounds"] >= 2
+            ended = sum(turns[f"status/{s}"] for s in
+                        ("done", "max_turns", "context_exceeded", "tool_timeout"))
+            assert ended == r["completions"] == 2 * 4  # 2 prompts x 4 per host
+
+
+def test_packed_loss_covers_only_model_tokens(demo):
+    _, run = demo
+    for host in (0, 1):
+        for r in read_jsonl(run / f"host_{host}.jsonl"):
+            turns = r["turns"]
+            # One token per model turn (agentic_max_turn_tokens=1): the rows' loss tokens are
+            # exactly the turns; the tool observations' tokens carry none.
+            assert turns["loss_tokens"] == turns["turns/mean"] * r["completions"]
+            assert turns["loss_tokens"] < r["completion_tokens"]
