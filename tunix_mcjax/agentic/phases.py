@@ -38,9 +38,10 @@ def resolve_factory(name: str) -> EnvFactory:
                           "'package.module:function'") from e
 
 
-def trajectory_seed(seed: int, step: int, prompt_index: int, generation: int) -> int:
-    return int(np.random.SeedSequence([seed, step, prompt_index, generation])
-               .generate_state(1)[0] >> 1)
+def trajectory_seed(seed: int, step: int, prompt_index: int, generation: int,
+                    round_: int = 0) -> int:
+    key = [seed, step, prompt_index, generation] + ([round_] if round_ else [])
+    return int(np.random.SeedSequence(key).generate_state(1)[0] >> 1)
 
 
 class AgenticRollouts(RolloutPhases):
@@ -54,14 +55,14 @@ class AgenticRollouts(RolloutPhases):
         self.limits = TurnLimits(cfg.max_target_length, cfg.agentic_turn_tokens,
                                  cfg.agentic_tool_timeout_s, cfg.max_concurrency)
 
-    def conversations(self, adm: Admission) -> list[Conversation]:
+    def conversations(self, adm: Admission, round_: int = 0) -> list[Conversation]:
         cfg, task, bos = self.cfg, self.prompts.task, self.prompts.tokenizer.bos_token_id
         out = []
         for i in adm.local_indices:
             for g in range(cfg.num_generations):
                 agent, env = self.factory(
                     task.prompts[i], {k: v[i] for k, v in task.fields.items()},
-                    seed=trajectory_seed(cfg.seed, adm.step, int(i), g),
+                    seed=trajectory_seed(cfg.seed, adm.step, int(i), g, round_),
                     system_prompt=cfg.system_prompt)
                 c = Conversation.start(agent, env, self.parser)
                 if bos is not None:
@@ -77,6 +78,8 @@ class AgenticRollouts(RolloutPhases):
     def score_conversations(self, adm: Admission, convs: list[Conversation]
                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         g, task = self.cfg.num_generations, self.prompts.task
+        if not convs:
+            return (np.zeros(0, np.float32),) * 3
         expanded = [int(i) for i in adm.local_indices for _ in range(g)]
         texts = [self.parser.tokenizer.decode(
             [t for t, m in zip(c.tokens, c.mask, strict=True) if m], skip_special_tokens=True)
@@ -90,14 +93,15 @@ class AgenticRollouts(RolloutPhases):
         return reward, correct, rewards.group_advantages(reward, g)
 
     def rollout(self, step: int, policy_version: int, history: stepmath.LengthHistory,
-                timer: metrics.PhaseTimer | None = None) -> Rollout:
+                timer: metrics.PhaseTimer | None = None, global_idx: np.ndarray | None = None,
+                round_: int = 0) -> Rollout:
         timer = timer or metrics.PhaseTimer()
         with timer.phase("admit"):
-            adm = self.admit(step, history)
+            adm = self.admit(step, history, global_idx)
         with timer.phase("generate"):
-            convs = self.conversations(adm)
+            convs = self.conversations(adm, round_)
             rounds = run_turns(self.engine, convs, self.parser, self.sampling,
-                               rollout_seed(self.cfg.seed, step, self.host), self.limits)
+                               rollout_seed(self.cfg.seed, step, self.host, round_), self.limits)
         with timer.phase("reward"):
             reward, correct, advantages = self.score_conversations(adm, convs)
         seconds = {p: timer.seconds[p] for p in ("admit", "generate", "reward")}
@@ -105,7 +109,7 @@ class AgenticRollouts(RolloutPhases):
         completions = tuple(
             Completion(np.asarray(c.tokens, np.int32), np.asarray(c.logprobs, np.float32),
                        "length" if c.status == "context_exceeded" else "stop") for c in convs)
-        turns = {**agentic_rollout.turn_metrics(convs), "rounds": float(rounds)}
+        turns = {**agentic_rollout.turn_metrics(convs), "rounds": float(rounds)} if convs else {}
         return Rollout(adm, tuple(convs[j * g].prompt for j in range(len(adm.local_indices))),
                        completions, reward, correct, advantages, policy_version, seconds,
                        masks=tuple(np.asarray(c.mask, np.float32) for c in convs), turns=turns)

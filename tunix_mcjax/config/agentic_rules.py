@@ -1,5 +1,5 @@
-"""Cross-key rules of the agentic keys (sections.Agentic): MaxText's and Tunix's meanings, or a
-refusal that names the fix."""
+"""Cross-key rules of the agentic keys (sections.Agentic) and dynamic sampling: MaxText's and
+Tunix's meanings, or a refusal that names the fix."""
 
 from __future__ import annotations
 
@@ -20,6 +20,13 @@ AGENTIC_ONLY = ("off_policy_steps", "use_rollout_logps", "force_on_policy_ratio"
 
 def check(cfg: Config) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
+    if cfg.dynamic_sampling and cfg.rl_runtime != "mcjax":
+        raise ConfigError(f"dynamic_sampling=true refills steps in the colocated runtime only; "
+                          f"rl_runtime={cfg.rl_runtime}: use rl_runtime=mcjax")
+    if not cfg.dynamic_sampling and cfg.dynamic_sampling_max_rounds != \
+            defaults["dynamic_sampling_max_rounds"]:
+        raise ConfigError("dynamic_sampling_max_rounds bounds dynamic sampling, which is off: "
+                          "set dynamic_sampling=true, or drop it")
     if not cfg.use_agentic_rollout:
         if keys := [k for k in AGENTIC_ONLY if getattr(cfg, k) != defaults[k]]:
             raise ConfigError(

@@ -205,6 +205,13 @@ class Algorithm:
     loss_agg_mode: Literal["token-mean", "sequence-mean-token-mean"] = key(
         "sequence-mean-token-mean", "How per-token losses are averaged into the step's loss.")
     advantage_estimator: Literal["grpo"] = key("grpo", "Group-normalised advantages (GRPO's).")
+    dynamic_sampling: bool = key(
+        False, "DAPO's dynamic sampling (Tunix's DAPO key): groups whose rewards are all equal "
+        "are dropped and the step refills from further prompts; a step left with none is "
+        "skipped.")
+    dynamic_sampling_max_rounds: int = key(
+        4, "Rollout rounds of a step under dynamic_sampling, the first included.",
+        check=at_least(1))
     num_iterations: int = key(
         1, "Optimizer updates on each step's batch (MaxText's rl.num_iterations, GRPO's mu); "
         "after the first, off-policy against the engine's logprobs.",

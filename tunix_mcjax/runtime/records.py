@@ -47,7 +47,7 @@ class Rollout:
 
     @property
     def num_generations(self) -> int:
-        return len(self.completions) // len(self.prompts)
+        return len(self.completions) // len(self.prompts) if self.prompts else 0
 
     def sequences(self) -> list[packing.Sequence]:
         g = self.num_generations
@@ -102,7 +102,7 @@ class HostRecord:
             phase_s={p: phase_s.get(p, 0.0) for p in metrics.PHASES},
             reward_sum=float(rollout.rewards.sum()), correct_sum=float(rollout.correct.sum()),
             completions=len(rollout.completions), completion_tokens=int(lens.sum()),
-            completion_len_max=int(lens.max()), prompts=len(rollout.prompts),
+            completion_len_max=int(lens.max()) if len(lens) else 0, prompts=len(rollout.prompts),
             truncated=sum(c.finish_reason == "length" for c in rollout.completions),
             prompt_tokens=sum(len(p) for p in rollout.prompts), compiled=int(compiled),
             local_prompt_indices=adm.local_indices.tolist(),

@@ -55,6 +55,8 @@ def local_batch(rows: packing.Rows, rows_per_device: int, num_local_devices: int
 
 def mean_length_by_prompt(completions: Sequence[Completion], num_prompts: int) -> np.ndarray:
     """Mean completion length of each prompt's group (completions are grouped by prompt)."""
+    if not num_prompts:
+        return np.zeros(0)
     lens = np.array([len(c.tokens) for c in completions])
     return lens.reshape(num_prompts, -1).mean(1)
 
