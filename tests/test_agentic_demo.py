@@ -51,3 +51,15 @@ def test_packed_loss_covers_only_model_tokens(demo):
             # exactly the turns; the tool observations' tokens carry none.
             assert turns["loss_tokens"] == turns["turns/mean"] * r["completions"]
             assert turns["loss_tokens"] < r["completion_tokens"]
+
+
+def test_environment_failing_on_one_host_ends_every_host(tmp_path):
+    t0 = time.monotonic()
+    proc = launch(["--hosts", "2", "--devices-per-host", "1", "recipes/cpu/demo_agentic.yml",
+                   *SHAPE, "steps=20", f"base_output_directory={tmp_path}",
+                   "agentic_environment=tests.workers.bad_envs:fails_on_host_1"], timeout=300)
+    elapsed, out = time.monotonic() - t0, proc.stdout + proc.stderr
+    assert proc.returncode == 1, out[-3000:]
+    assert elapsed < 120  # start-up (compiles) plus a few seconds to stop
+    assert "host 1: RuntimeError: host 1 cannot build its environment" in out
+    assert "because another host failed" in out and "step    0 |" not in out
