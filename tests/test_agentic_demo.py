@@ -63,3 +63,18 @@ def test_environment_failing_on_one_host_ends_every_host(tmp_path):
     assert elapsed < 120  # start-up (compiles) plus a few seconds to stop
     assert "host 1: RuntimeError: host 1 cannot build its environment" in out
     assert "because another host failed" in out and "step    0 |" not in out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_tool_demo_learns(tmp_path, seed):
+    """From random init (reward ~0.01: a call, then the right digit by chance) to using the
+    tool's answer, on 2 hosts x 1 device."""
+    t0 = time.monotonic()
+    proc = launch(["--hosts", "2", "--devices-per-host", "1", "recipes/cpu/demo_agentic.yml",
+                   f"seed={seed}", f"base_output_directory={tmp_path}"], timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    summary = json.loads((tmp_path / "demo_agentic" / "summary.json").read_text())
+    print(f"seed {seed}: reward {summary['reward_first10']:.3f} -> "
+          f"{summary['reward_last10']:.3f} in {time.monotonic() - t0:.0f}s")
+    assert summary["reward_first10"] <= 0.2 and summary["reward_last10"] >= 0.9
