@@ -1,11 +1,12 @@
 """The pure GRPO step math on packed rows: token logprobs, per-token terms, global weights.
 
 `grpo_token_terms` equals Tunix's `grpo_loss_fn` (tunix.rl.algo_core) for `kl_loss_mode="kl"`,
-no dual clip, `loss_algo` "grpo" or "gspo-token", on-policy (old logps = stop_gradient(current))
-or off-policy (old logps = the packed behaviour logprobs). gspo-token's ratio is sequence-level:
+no dual clip, `loss_algo` "grpo" or "gspo-token", `epsilon_high` (clip-higher) set or not,
+on-policy (old logps = stop_gradient(current)) or off-policy (old logps = the packed behaviour
+logprobs); the agentic learner's loss is the same function. gspo-token's ratio is sequence-level:
 exp(min(logp - sg(logp) + sg(the sequence's mean log-ratio), 10)); on-policy that mean is 0 and
 the update is GRPO's, in value and gradient. Sequences are packed segments here, so the mean is
-over each segment's completion tokens (`segment_mean`).
+over each segment's loss-masked tokens (`segment_mean`).
 Tunix's aggregation modes are linear in per-token terms, so they become fixed per-token weights
 computed on the host from global counts (`loss_weights`), which makes the loss exact across hosts,
 packed rows and micro-batches.
@@ -86,15 +87,30 @@ def importance_log_ratio(logps: jax.Array, batch: dict, *, off_policy: bool,
 
 def grpo_token_terms(logps: jax.Array, batch: dict, ref_logps: jax.Array | None, *,
                      beta: float, epsilon: float, off_policy: bool,
-                     loss_algo: str = "grpo") -> jax.Array:
-    """Per-token GRPO loss (clipped surrogate + beta * KL). Masking and weights come later."""
+                     loss_algo: str = "grpo", epsilon_high: float | None = None) -> jax.Array:
+    """Per-token GRPO loss (clipped surrogate + beta * KL); the ratio is clipped to
+    [1 - epsilon, 1 + epsilon_high] (None: epsilon). Masking and weights come later."""
     ratio = jnp.exp(importance_log_ratio(logps, batch, off_policy=off_policy,
                                          loss_algo=loss_algo))
     adv = batch["advantages"]
-    per_token = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - epsilon, 1 + epsilon))
+    high = epsilon if epsilon_high is None else epsilon_high
+    per_token = jnp.maximum(-adv * ratio, -adv * jnp.clip(ratio, 1 - epsilon, 1 + high))
     if ref_logps is not None and beta != 0.0:
         per_token = per_token + beta * (logps - ref_logps)
     return per_token
+
+
+def upper_epsilon(grpo_epsilon: float, epsilon_high: float) -> float:
+    """The upper clip of the ratio: `epsilon_high`, or `grpo_epsilon` where it is -1 (unset)."""
+    return grpo_epsilon if epsilon_high == -1 else epsilon_high
+
+
+def first_update_off_policy(use_agentic_rollout: bool, use_rollout_logps: bool,
+                            force_on_policy_ratio: bool) -> bool:
+    """Whether the first update of a batch takes its ratio against the engine's logprobs:
+    Tunix's agentic learner does with use_rollout_logps, unless force_on_policy_ratio pins the
+    ratio to 1; its single-turn GRPO learner never does."""
+    return use_agentic_rollout and use_rollout_logps and not force_on_policy_ratio
 
 
 def loss_weights(rows: Rows, mode: str, global_sequences: int, global_tokens: int) -> np.ndarray:

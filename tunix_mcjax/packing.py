@@ -3,7 +3,8 @@
 Several sequences share a row, kept apart by segment ids (attention never crosses segments) and
 per-segment positions. Position t of a row holds the loss terms for predicting token t+1 of the
 same segment, so `targets[t]` is that token and `loss_mask[t]` is 1 only where it is a completion
-token. All functions here are pure numpy.
+token the model sampled (tool and environment tokens of an agentic trajectory carry no loss).
+All functions here are pure numpy.
 """
 
 from __future__ import annotations
@@ -19,6 +20,18 @@ class Sequence:
     completion: np.ndarray  # int32 [b], b >= 1
     advantage: float
     behaviour_logprobs: np.ndarray  # float32 [b]
+    # float32 [b]: 1 where the model sampled the token, 0 for tool/environment tokens (agentic
+    # rollouts); None: every completion token is the model's.
+    completion_mask: np.ndarray | None = None
+
+    def model_mask(self) -> np.ndarray:
+        """1.0 per completion token the loss counts."""
+        if self.completion_mask is None:
+            return np.ones(len(self.completion), np.float32)
+        if len(self.completion_mask) != len(self.completion):
+            raise ValueError(f"completion_mask has {len(self.completion_mask)} entries for "
+                             f"{len(self.completion)} completion tokens")
+        return np.asarray(self.completion_mask, np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +42,7 @@ class Rows:
     positions: np.ndarray
     segment_ids: np.ndarray  # 0 marks padding
     targets: np.ndarray
-    loss_mask: np.ndarray  # 1.0 where targets[t] is a completion token
+    loss_mask: np.ndarray  # 1.0 where targets[t] is a completion token the model sampled
     advantages: np.ndarray
     old_logps: np.ndarray
     seq_weight: np.ndarray  # 1/b for the sequence's completion tokens (sequence-mean mode)
@@ -84,10 +97,11 @@ def pack(seqs: list[Sequence], row_len: int, pad_id: int) -> Rows:
             # Positions a-1 .. n-2 predict the completion tokens.
             pred = slice(offset + a - 1, offset + n - 1)
             out.targets[r, pred] = s.completion
-            out.loss_mask[r, pred] = 1.0
+            mask = s.model_mask()
+            out.loss_mask[r, pred] = mask
             out.advantages[r, pred] = s.advantage
-            out.old_logps[r, pred] = s.behaviour_logprobs
-            out.seq_weight[r, pred] = 1.0 / b
+            out.old_logps[r, pred] = s.behaviour_logprobs * mask
+            out.seq_weight[r, pred] = mask / max(mask.sum(), 1.0)
             offset += n
     return out
 

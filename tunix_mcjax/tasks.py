@@ -104,9 +104,13 @@ def gsm8k_task(path: str) -> Task:
 def load_task(cfg: Config) -> Task:
     if cfg.dataset_name == "next_digit":
         return next_digit_task()
+    if cfg.dataset_name == "lookup":
+        from tunix_mcjax.agentic.demo import lookup_task
+
+        return lookup_task()
     if cfg.dataset_name == "gsm8k":
         if not cfg.hf_train_files:
             raise ConfigError("dataset_name=gsm8k needs hf_train_files=<local .jsonl/.parquet>")
         return gsm8k_task(cfg.hf_train_files)
     raise ConfigError(f"dataset_name={cfg.dataset_name!r} is not a known task "
-                      "(next_digit, gsm8k)")
+                      "(next_digit, lookup, gsm8k)")

@@ -37,10 +37,12 @@ from tunix_mcjax import fsdp_flat, memory, packed_qwen3
 from tunix_mcjax.config import Config, warmup_updates
 from tunix_mcjax.loss import (
     chunked_token_logps,
+    first_update_off_policy,
     grpo_token_terms,
     loss_weights,
     step_sums,
     token_logps,
+    upper_epsilon,
 )
 
 __all__ = ["BATCH_KEYS", "Policy", "Trainer", "grpo_token_terms", "loss_weights",
@@ -194,7 +196,9 @@ class Trainer:
             self._flat_step = jax.jit(self._flat_update, static_argnames=("off_policy",),
                                       donate_argnums=(0, 1))
             self._gather = jax.jit(self._all_gather, out_shardings=self.gathered)
-        self.off_policy = off_policy
+        # Agentic runs with use_rollout_logps: every update against the engine's logprobs.
+        self.off_policy = off_policy or first_update_off_policy(
+            cfg.use_agentic_rollout, cfg.use_rollout_logps, cfg.force_on_policy_ratio)
 
     # Full params of the flat step: computed from `params` when it is set (start, restore),
     # then the step's own output.
@@ -257,9 +261,11 @@ class Trainer:
             no_adapters = jax.tree.map(jnp.zeros_like, params)
             ref_logps = jax.lax.stop_gradient(self._logps(no_adapters, frozen, batch,
                                                           row_shards))
-        per_token = grpo_token_terms(logps, batch, ref_logps, beta=self.cfg.grpo_beta,
-                                     epsilon=self.cfg.grpo_epsilon, off_policy=off_policy,
-                                     loss_algo=self.cfg.loss_algo)
+        cfg = self.cfg
+        per_token = grpo_token_terms(
+            logps, batch, ref_logps, beta=cfg.grpo_beta, epsilon=cfg.grpo_epsilon,
+            off_policy=off_policy, loss_algo=cfg.loss_algo,
+            epsilon_high=upper_epsilon(cfg.grpo_epsilon, cfg.epsilon_high))
         sums = step_sums(logps, ref_logps, per_token, batch)
         return sums["loss"], sums
 

@@ -28,6 +28,11 @@ class Config(*reversed(SECTIONS)):
         return self.max_target_length - self.max_prefill_predict_length
 
     @property
+    def agentic_turn_tokens(self) -> int:
+        """Tokens of one model turn (agentic_max_turn_tokens; 0: the completion budget)."""
+        return self.agentic_max_turn_tokens or self.max_completion_length
+
+    @property
     def global_rows(self) -> int:
         return self.batch_size * self.num_generations
 

@@ -8,6 +8,7 @@ import json
 import re
 from typing import TYPE_CHECKING, Any
 
+from tunix_mcjax.config import agentic_rules
 from tunix_mcjax.config.fields import ConfigError, keys_of
 from tunix_mcjax.config.sections import Disaggregated, Vllm
 
@@ -53,7 +54,8 @@ def json_object(cfg: Config, key: str) -> dict[str, Any]:
 def check_rules(cfg: Config) -> None:
     """Every cross-key rule that needs no cluster shape. Raises ConfigError."""
     for rule in (_vllm, _kv_pool, _disaggregated, _runtime, _lengths_and_sampling,
-                 _model_and_data, _train_memory, _lora, _evaluation_and_profiler):
+                 _model_and_data, _train_memory, _lora, _evaluation_and_profiler,
+                 agentic_rules.check):
         rule(cfg)
 
 

@@ -8,6 +8,7 @@ the generated reference (docs/configuration-reference.md): a title line, then an
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Literal
 
 from tunix_mcjax.config.fields import Check, at_least, between, key, non_negative, positive
@@ -193,16 +194,65 @@ class Algorithm:
     grpo_epsilon: float = key(
         0.2, "Clip range: the ratio is clipped to [1 - eps, 1 + eps] (Tunix's default 0.2).",
         check=between(0, 1, "()", "(the ratio is clipped to [1 - eps, 1 + eps])"))
+    epsilon_high: float = key(
+        -1.0, "Upper clip: the ratio is clipped to [1 - grpo_epsilon, 1 + epsilon_high] (DAPO's "
+        "clip-higher, Tunix's epsilon_high; DAPO uses 0.28); -1: grpo_epsilon.",
+        check=Check(lambda v: v == -1 or 0 < v < math.inf, "> 0 or -1",
+                    "> 0 (the upper clip), or -1 for grpo_epsilon"))
     loss_algo: Literal["grpo", "gspo-token"] = key(
         "grpo", "Token-level (grpo) or sequence-level (gspo-token) importance ratio; on-policy "
         "they are the same update.")
     loss_agg_mode: Literal["token-mean", "sequence-mean-token-mean"] = key(
         "sequence-mean-token-mean", "How per-token losses are averaged into the step's loss.")
     advantage_estimator: Literal["grpo"] = key("grpo", "Group-normalised advantages (GRPO's).")
+    dynamic_sampling: bool = key(
+        False, "DAPO's dynamic sampling (Tunix's DAPO key): groups whose rewards are all equal "
+        "are dropped and the step refills from further prompts; a step left with none is "
+        "skipped.")
+    dynamic_sampling_max_rounds: int = key(
+        4, "Rollout rounds of a step under dynamic_sampling, the first included.",
+        check=at_least(1))
     num_iterations: int = key(
         1, "Optimizer updates on each step's batch (MaxText's rl.num_iterations, GRPO's mu); "
         "after the first, off-policy against the engine's logprobs.",
         check=at_least(1, "optimizer updates per batch (1: on-policy GRPO, MaxText's default)"))
+
+
+@section
+class Agentic:
+    """Agentic rollouts
+
+    Multi-turn, tool-using rollouts and their importance ratio (MaxText's `rl.*` keys, Tunix's
+    agentic GRPO learner; [Agentic rollouts](agentic.md))."""
+
+    use_agentic_rollout: bool = key(
+        False, "Multi-turn rollouts: the model's turns alternate with tool or environment "
+        "observations, which carry no loss.")
+    off_policy_steps: int = key(
+        0, "Updates a rollout's weights may lag the trainer's (Tunix's bounded staleness); the "
+        "ratio's old logps are then the engine's (use_rollout_logps).", check=non_negative())
+    use_rollout_logps: bool = key(
+        True, "Agentic runs: the ratio's old logps are the engine's logprobs from the first "
+        "update on (Tunix's agentic learner); false: the trainer's own at the step's start.")
+    force_on_policy_ratio: bool = key(
+        False, "Agentic runs: old logps = stop_gradient(current), the ratio exactly 1 "
+        "(num_iterations=1 only).")
+    agentic_environment: str = key(
+        "tunix_mcjax.agentic.demo:lookup_conversation",
+        "package.module:function building one trajectory's Tunix agent and environment, "
+        "called as fn(prompt, fields, seed=, system_prompt=) -> (agent, env).")
+    system_prompt: str = key("", "The agent's system prompt (MaxText's rl.system_prompt).")
+    data_template_path: str = key(
+        "", "JSON chat template of the conversation: role formats for system, user, "
+        "assistant, tool and generation; empty: plain lines.")
+    max_concurrency: int = key(
+        256, "Conversations of a host decoded in one engine call (MaxText's).", check=positive())
+    agentic_max_turn_tokens: int = key(
+        0, "Tokens of one model turn; 0: max_target_length - max_prefill_predict_length.",
+        check=non_negative())
+    agentic_tool_timeout_s: float = key(
+        30.0, "Budget of one round's environment steps; a step past it ends its trajectory "
+        "(status tool_timeout, reward 0).", check=positive())
 
 
 @section
@@ -386,6 +436,6 @@ class Disaggregated:
         "else the launcher starts a local cluster of its own (development).", runtime_only=True)
 
 
-SECTIONS = (Run, Data, Model, Batch, Sampling, Rollout, KvPool, Vllm, Algorithm, Optimizer,
-            TrainMemory, Lora, Checkpoints, Evaluation, Reporting, Optimizations, Recovery,
-            Disaggregated)
+SECTIONS = (Run, Data, Model, Batch, Sampling, Rollout, KvPool, Vllm, Algorithm, Agentic,
+            Optimizer, TrainMemory, Lora, Checkpoints, Evaluation, Reporting, Optimizations,
+            Recovery, Disaggregated)

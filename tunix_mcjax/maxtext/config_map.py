@@ -274,9 +274,14 @@ def vllm_values(config: Any) -> dict[str, Any]:
 
 # Keys users are likely to set that this runtime cannot honour yet: why, and what to do.
 REFUSED: dict[str, str] = {
-    "rl.use_agentic_rollout": "agentic (multi-turn) rollouts are not implemented",
-    "rl.epsilon_high": "asymmetric clipping is only in Tunix's agentic learner",
-    "rl.off_policy_steps": "off-policy steps are only in Tunix's agentic learner",
+    "rl.use_agentic_rollout": "MaxText's agentic path (its chat parser, Tunix's ModelAgent and "
+                              "TaskEnvironment) is not mapped onto this runtime's agentic "
+                              "rollouts yet; they run from tunix_mcjax.launch "
+                              "(use_agentic_rollout=true, docs/agentic.md)",
+    "rl.epsilon_high": "MaxText passes it only to its agentic learner (rl.use_agentic_rollout, "
+                       "not mapped yet); tunix_mcjax.launch honours epsilon_high",
+    "rl.off_policy_steps": "MaxText passes it only to its agentic learner "
+                           "(rl.use_agentic_rollout, not mapped yet)",
     "stop_strings": "the engine stops on the EOS token only",
     "adam_eps": "MaxText's RL optimizer (utils_rl.get_optimizer) does not pass adam_eps to "
                 "AdamW, so neither runtime would use it",

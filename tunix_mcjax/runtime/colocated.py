@@ -19,7 +19,7 @@ from tunix_mcjax.config import Config, ConfigError
 from tunix_mcjax.engine import Engine
 from tunix_mcjax.profiler import StepProfiler
 from tunix_mcjax.publish import Publisher
-from tunix_mcjax.runtime import evaluation, phases, recovery, reporting
+from tunix_mcjax.runtime import dynamic_sampling, evaluation, phases, recovery, reporting
 from tunix_mcjax.runtime.components import Components, build, default_components
 from tunix_mcjax.runtime.phases import default_engine
 from tunix_mcjax.runtime.records import HostRecord
@@ -47,8 +47,12 @@ class ColocatedRuntime:
                                    tx=parts.optimizer)
         self.engine = engine_factory(cfg, parts.engine_model_config, list(topo.local_devices),
                                      self.prompts.pad_id, self.prompts.eos_ids)
-        self.rollouts = phases.RolloutPhases(cfg, self.prompts, self.engine, topo.num_hosts,
-                                             topo.host)
+        rollouts = phases.RolloutPhases
+        if cfg.use_agentic_rollout:
+            from tunix_mcjax.agentic.phases import AgenticRollouts
+
+            rollouts = AgenticRollouts
+        self.rollouts = rollouts(cfg, self.prompts, self.engine, topo.num_hosts, topo.host)
         self.train = phases.TrainPhase(self.trainer, self.watchdog, cfg.num_iterations)
         self.publisher = Publisher(parts.mesh, cfg.rl_publish_weights_single_call)
         self.evaluation = evaluation.EvalSchedule(cfg, parts.evaluator, topo, self.watchdog)
@@ -69,6 +73,10 @@ class ColocatedRuntime:
         self.reporter.begin(step)
         # The policy has taken `step` train steps: its version, which the rollout carries.
         rollout = self.rollouts.rollout(step, step, self.history, timer)
+        sampled: dict[str, float] = {}
+        if cfg.dynamic_sampling:
+            rollout, sampled = dynamic_sampling.fill(cfg, self.rollouts, rollout, self.history,
+                                                     timer, self.watchdog)
         local_devices = len(self.topo.local_devices)
         with timer.phase("pack"):
             lengths = rollout.length_pairs() if cfg.rl_balance_by_expected_output else None
@@ -76,9 +84,13 @@ class ColocatedRuntime:
                                           local_devices, self.watchdog,
                                           metrics=self.reporter.outgoing(), lengths=lengths)
         self.reporter.arrived(everyone.metrics)
+        if rollout.turns is not None:  # agentic: the tokens that carry loss in the packed rows
+            rollout.turns["loss_tokens"] = float(local["loss_mask"].sum())
         k = everyone.rows_per_device(local_devices)
         with timer.phase("train"):
-            result = self.train(local, k)
+            # Dynamic sampling may leave no group on any host: no update, nothing to publish.
+            result = self.train(local, k) if everyone.global_sequences else \
+                phases.TrainResult({"finite": 1.0}, 0, False)
         self.nonfinite.applied(step, result.metrics, self.state.describe_last())
         if result.applied:  # an update that was not applied changed nothing: nothing to publish
             with timer.phase("publish"), self.watchdog.guard("publish", compiles=result.compiled):
@@ -86,7 +98,7 @@ class ColocatedRuntime:
         self.history.add(everyone.lengths)
         record = HostRecord.of(
             rollout, self.topo.host, timer.total(), timer.seconds,
-            {**result.metrics, "nonfinite_steps": self.nonfinite.count},
+            {**result.metrics, "nonfinite_steps": self.nonfinite.count, **sampled},
             compiled=self.compiles.grew(), rows_per_device=k, train_compiled=result.compiled)
         record.eval = self._evaluate_after(step)
         self.reporter.host_step(record)

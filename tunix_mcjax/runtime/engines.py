@@ -7,10 +7,12 @@ from tunix_mcjax.engine import Engine
 
 
 def _engine_options(cfg: Config) -> dict:
-    """The engine settings every engine of our decode loop takes."""
+    """The engine settings every engine of our decode loop takes. Agentic runs decode turns:
+    a turn's context is anything up to the whole budget, and a turn is at most its cap."""
+    agentic = cfg.use_agentic_rollout
     return dict(
-        max_prompt_length=cfg.max_prefill_predict_length,
-        max_new_tokens=cfg.max_completion_length,
+        max_prompt_length=cfg.max_target_length - 1 if agentic else cfg.max_prefill_predict_length,
+        max_new_tokens=cfg.agentic_turn_tokens if agentic else cfg.max_completion_length,
         tensor_parallelism=cfg.rollout_tensor_parallelism,
         data_parallelism=cfg.rollout_data_parallelism,
         continuous_batching=cfg.rollout_continuous_batching,

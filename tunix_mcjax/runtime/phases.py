@@ -45,9 +45,11 @@ def sampling_params(cfg: Config) -> SamplingParams:
     )
 
 
-def rollout_seed(seed: int, step: int, host: int) -> int:
-    """A distinct sampling seed per (run seed, step, host); the engine folds in the replica."""
-    return int(np.random.SeedSequence([seed, step, host]).generate_state(1)[0] >> 1)
+def rollout_seed(seed: int, step: int, host: int, round_: int = 0) -> int:
+    """A distinct sampling seed per (run seed, step, host) and dynamic sampling's refill round;
+    the engine folds in the replica."""
+    key = [seed, step, host] + ([round_] if round_ else [])
+    return int(np.random.SeedSequence(key).generate_state(1)[0] >> 1)
 
 
 def encode_prompt(tokenizer, index: int, text: str) -> np.ndarray:
@@ -134,11 +136,14 @@ class RolloutPhases:
         self.num_hosts, self.host = num_hosts, host
         self.sampling = sampling_params(cfg)
 
-    def admit(self, step: int, history: stepmath.LengthHistory) -> Admission:
-        """The step's global batch and this host's whole groups of it (O3: balanced)."""
+    def admit(self, step: int, history: stepmath.LengthHistory,
+              global_idx: np.ndarray | None = None) -> Admission:
+        """The step's global batch (or `global_idx`, a refill round's) and this host's whole
+        groups of it (O3: balanced)."""
         cfg = self.cfg
-        global_idx = admission.global_prompt_indices(
-            len(self.prompts.tokens), cfg.batch_size, cfg.seed, step, cfg.data_repeat_period)
+        if global_idx is None:
+            global_idx = admission.global_prompt_indices(
+                len(self.prompts.tokens), cfg.batch_size, cfg.seed, step, cfg.data_repeat_period)
         expected = history.expected(global_idx, cfg.max_completion_length / 2) \
             if cfg.rl_balance_by_expected_output else None
         positions = admission.host_prompt_positions(
@@ -146,16 +151,20 @@ class RolloutPhases:
             cfg.rl_balance_prompts_by_length, expected, cfg.num_generations)
         return Admission(step, global_idx, global_idx[positions])
 
-    def generate(self, adm: Admission) -> list[Completion]:
+    def generate(self, adm: Admission, round_: int = 0) -> list[Completion]:
         g = self.cfg.num_generations
         requests = [self.prompts.tokens[i] for i in adm.local_indices for _ in range(g)]
+        if not requests:
+            return []
         return self.engine.generate(requests, self.sampling,
-                                    rollout_seed(self.cfg.seed, adm.step, self.host))
+                                    rollout_seed(self.cfg.seed, adm.step, self.host, round_))
 
     def score(self, adm: Admission, completions: list[Completion]
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rewards, correct, group advantages); every group is whole on this host."""
         g, task = self.cfg.num_generations, self.prompts.task
+        if not completions:
+            return (np.zeros(0, np.float32),) * 3
         expanded = [i for i in adm.local_indices for _ in range(g)]
         # A completion that stopped ends with its stop token; only that one is dropped.
         texts = self.prompts.tokenizer.batch_decode(
@@ -168,14 +177,16 @@ class RolloutPhases:
         return reward, correct, rewards.group_advantages(reward, g)
 
     def rollout(self, step: int, policy_version: int, history: stepmath.LengthHistory,
-                timer: metrics.PhaseTimer | None = None) -> Rollout:
+                timer: metrics.PhaseTimer | None = None, global_idx: np.ndarray | None = None,
+                round_: int = 0) -> Rollout:
         """Admit, generate and score, each timed as its phase (in `timer`, when given: the
-        step's), with `policy_version`: the version of the engine's weights."""
+        step's), with `policy_version`: the version of the engine's weights. `global_idx`,
+        `round_`: a dynamic sampling refill round's prompts."""
         timer = timer or metrics.PhaseTimer()
         with timer.phase("admit"):
-            adm = self.admit(step, history)
+            adm = self.admit(step, history, global_idx)
         with timer.phase("generate"):
-            completions = self.generate(adm)
+            completions = self.generate(adm, round_)
         with timer.phase("reward"):
             reward, correct, advantages = self.score(adm, completions)
         seconds = {p: timer.seconds[p] for p in ("admit", "generate", "reward")}
@@ -193,7 +204,7 @@ def pack(cfg: Config, seqs: list[packing.Sequence], pad_id: int, num_local_devic
     batch, what every host sent)."""
     rows = packing.pack(seqs, cfg.max_target_length, pad_id)
     message = exchange.HostMessage(
-        rows.num_rows, len(seqs), stepmath.completion_tokens(seqs),
+        rows.num_rows, stepmath.loss_sequences(seqs), stepmath.completion_tokens(seqs),
         np.zeros(0) if metrics is None else metrics,
         np.zeros((0, 2)) if lengths is None else lengths)
     everyone = exchange.exchange(message, watchdog)

@@ -37,6 +37,9 @@ class Rollout:
     advantages: np.ndarray  # float32 [completions]: group advantages
     policy_version: int
     seconds: dict[str, float]  # wall time of its phases (admit, generate, reward)
+    # Agentic rollouts: each completion's model mask (0 on tool tokens) and the turn metrics.
+    masks: tuple[np.ndarray, ...] | None = None
+    turns: dict[str, float] | None = None
 
     @property
     def step(self) -> int:
@@ -44,12 +47,12 @@ class Rollout:
 
     @property
     def num_generations(self) -> int:
-        return len(self.completions) // len(self.prompts)
+        return len(self.completions) // len(self.prompts) if self.prompts else 0
 
     def sequences(self) -> list[packing.Sequence]:
         g = self.num_generations
         return stepmath.sequences([p for p in self.prompts for _ in range(g)],
-                                  self.completions, self.advantages)
+                                  self.completions, self.advantages, self.masks)
 
     def lengths_by_prompt(self) -> np.ndarray:
         return stepmath.mean_length_by_prompt(self.completions, len(self.prompts))
@@ -85,6 +88,7 @@ class HostRecord:
     rows_per_device: int
     train_compiled: int
     eval: dict[str, Any] | None = None
+    turns: dict[str, float] | None = None  # agentic rollouts' turn metrics
 
     @classmethod
     def of(cls, rollout: Rollout, host: int, step_s: float, phase_s: dict[str, float],
@@ -98,22 +102,24 @@ class HostRecord:
             phase_s={p: phase_s.get(p, 0.0) for p in metrics.PHASES},
             reward_sum=float(rollout.rewards.sum()), correct_sum=float(rollout.correct.sum()),
             completions=len(rollout.completions), completion_tokens=int(lens.sum()),
-            completion_len_max=int(lens.max()), prompts=len(rollout.prompts),
+            completion_len_max=int(lens.max()) if len(lens) else 0, prompts=len(rollout.prompts),
             truncated=sum(c.finish_reason == "length" for c in rollout.completions),
             prompt_tokens=sum(len(p) for p in rollout.prompts), compiled=int(compiled),
             local_prompt_indices=adm.local_indices.tolist(),
             completion_len_by_prompt=rollout.lengths_by_prompt().round(2).tolist(),
             global_prompt_indices=adm.global_indices.tolist(), train=dict(train),
-            rows_per_device=rows_per_device, train_compiled=int(train_compiled))
+            rows_per_device=rows_per_device, train_compiled=int(train_compiled),
+            turns=rollout.turns)
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
-        out.pop("phase_s"), out.pop("train"), out.pop("eval")
+        out.pop("phase_s"), out.pop("train"), out.pop("eval"), out.pop("turns")
         phases = {f"{p}_s": s for p, s in self.phase_s.items()}
         head = {k: out.pop(k) for k in ("step", "host", "step_s")}
         tail = {k: out.pop(k) for k in ("rows_per_device", "train_compiled")}
         return {**head, **phases, **out, **self.train, **tail,
-                **({"eval": self.eval} if self.eval else {})}
+                **({"eval": self.eval} if self.eval else {}),
+                **({"turns": self.turns} if self.turns else {})}
 
     def vector(self) -> np.ndarray:
         return metrics.host_vector(self.to_json())

@@ -21,15 +21,24 @@ ROW_FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "adv
 
 
 def sequences(prompts: Sequence[np.ndarray], completions: Sequence[Completion],
-              advantages: np.ndarray) -> list[packing.Sequence]:
+              advantages: np.ndarray, masks: Sequence[np.ndarray] | None = None
+              ) -> list[packing.Sequence]:
     """Completion j with its prompt `prompts[j]`, its advantage and its behaviour logprobs (the
-    engine's logprobs of the sampled tokens: the old policy of the importance ratio)."""
-    return [packing.Sequence(p, c.tokens, float(a), c.logprobs)
-            for p, c, a in zip(prompts, completions, advantages, strict=True)]
+    engine's logprobs of the sampled tokens: the old policy of the importance ratio); `masks`:
+    each completion's model mask (agentic trajectories), None: every token is the model's."""
+    masks = masks if masks is not None else [None] * len(completions)
+    return [packing.Sequence(p, c.tokens, float(a), c.logprobs, m)
+            for p, c, a, m in zip(prompts, completions, advantages, masks, strict=True)]
 
 
 def completion_tokens(seqs: Sequence[packing.Sequence]) -> int:
-    return sum(len(s.completion) for s in seqs)
+    """Completion tokens that carry loss (the model's; not an agentic run's tool tokens)."""
+    return int(sum(s.model_mask().sum() for s in seqs))
+
+
+def loss_sequences(seqs: Sequence[packing.Sequence]) -> int:
+    """Sequences with at least one token that carries loss (Tunix's non-empty rows)."""
+    return sum(1 for s in seqs if s.model_mask().any())
 
 
 def local_batch(rows: packing.Rows, rows_per_device: int, num_local_devices: int, pad_id: int,
@@ -46,6 +55,8 @@ def local_batch(rows: packing.Rows, rows_per_device: int, num_local_devices: int
 
 def mean_length_by_prompt(completions: Sequence[Completion], num_prompts: int) -> np.ndarray:
     """Mean completion length of each prompt's group (completions are grouped by prompt)."""
+    if not num_prompts:
+        return np.zeros(0)
     lens = np.array([len(c.tokens) for c in completions])
     return lens.reshape(num_prompts, -1).mean(1)
 

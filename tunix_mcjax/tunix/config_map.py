@@ -135,7 +135,8 @@ REFUSED: dict[str, str] = {
     "rollout_engine": "each host decodes with this runtime's engine over Tunix Qwen3 (the "
                       "vanilla sampler's math); use rollout_engine=vanilla",
     "offload_to_cpu": "params stay on the devices; use false",
-    "training_mode": "agentic GRPO is not implemented here; use grpo",
+    "training_mode": "agentic_grpo is not mapped onto this runtime's agentic rollouts yet "
+                     "(tunix_mcjax.launch runs them: use_agentic_rollout=true); use grpo",
     "rl_training_config.mini_batch_size": "one update per step: use batch_size or null",
     "rl_training_config.gradient_accumulation_steps": "set by train_micro_batch_size here",
     "model_config.remat_config": "use 1 (NONE) or 3 (DECODER); BLOCK is not implemented",

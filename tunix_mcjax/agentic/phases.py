@@ -1,0 +1,115 @@
+"""Phases 1-3 of an agentic step on one host: admit (unchanged: whole groups per host), run the
+admitted prompts' conversations turn by turn on the host's engine, score them.
+
+Reward functions are called as Tunix's agentic learner calls them: `completions` are the
+model's text (its turns, joined), with the environment's `trajectory_rewards` and the
+`tool_calls` of each trajectory beside the task's fields. Each trajectory's environment seed
+depends on (seed, step, prompt, generation) only, not on the host that runs it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from tunix_mcjax import metrics, rewards
+from tunix_mcjax.agentic import rollout as agentic_rollout
+from tunix_mcjax.agentic.conversation import Conversation
+from tunix_mcjax.agentic.loop import TurnLimits, run_turns
+from tunix_mcjax.agentic.parsers import ChatParser, load_chat_template
+from tunix_mcjax.config import Config, ConfigError
+from tunix_mcjax.engine import Completion, Engine
+from tunix_mcjax.runtime import stepmath
+from tunix_mcjax.runtime.phases import Prompts, RolloutPhases, rollout_seed
+from tunix_mcjax.runtime.records import Admission, Rollout
+
+EnvFactory = Callable[..., tuple[Any, Any]]
+
+
+def resolve_factory(name: str) -> EnvFactory:
+    module, _, attr = name.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError, ValueError) as e:
+        raise ConfigError(f"agentic_environment={name!r} not found ({e}); use "
+                          "'package.module:function'") from e
+
+
+def trajectory_seed(seed: int, step: int, prompt_index: int, generation: int,
+                    round_: int = 0) -> int:
+    key = [seed, step, prompt_index, generation] + ([round_] if round_ else [])
+    return int(np.random.SeedSequence(key).generate_state(1)[0] >> 1)
+
+
+class AgenticRollouts(RolloutPhases):
+    """`RolloutPhases` whose generate phase is the turn loop (`loop.run_turns`)."""
+
+    def __init__(self, cfg: Config, prompts: Prompts, engine: Engine, num_hosts: int,
+                 host: int):
+        super().__init__(cfg, prompts, engine, num_hosts, host)
+        self.factory = resolve_factory(cfg.agentic_environment)
+        self.parser = ChatParser(prompts.tokenizer, load_chat_template(cfg.data_template_path))
+        self.limits = TurnLimits(cfg.max_target_length, cfg.agentic_turn_tokens,
+                                 cfg.agentic_tool_timeout_s, cfg.max_concurrency)
+
+    def conversations(self, adm: Admission, round_: int = 0) -> list[Conversation]:
+        cfg, task, bos = self.cfg, self.prompts.task, self.prompts.tokenizer.bos_token_id
+        out = []
+        for i in adm.local_indices:
+            for g in range(cfg.num_generations):
+                agent, env = self.factory(
+                    task.prompts[i], {k: v[i] for k, v in task.fields.items()},
+                    seed=trajectory_seed(cfg.seed, adm.step, int(i), g, round_),
+                    system_prompt=cfg.system_prompt)
+                c = Conversation.start(agent, env, self.parser)
+                if bos is not None:
+                    c.prompt = np.concatenate([[bos], c.prompt]).astype(np.int32)
+                if len(c.prompt) > cfg.max_prefill_predict_length:
+                    raise ConfigError(
+                        f"prompt {i} renders to {len(c.prompt)} tokens with its system prompt "
+                        f"and chat template, over max_prefill_predict_length="
+                        f"{cfg.max_prefill_predict_length}: raise it")
+                out.append(c)
+        return out
+
+    def score_conversations(self, adm: Admission, convs: list[Conversation]
+                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        g, task = self.cfg.num_generations, self.prompts.task
+        if not convs:
+            return (np.zeros(0, np.float32),) * 3
+        expanded = [int(i) for i in adm.local_indices for _ in range(g)]
+        texts = [self.parser.tokenizer.decode(
+            [t for t, m in zip(c.tokens, c.mask, strict=True) if m], skip_special_tokens=True)
+            for c in convs]
+        prompts = [task.prompts[i] for i in expanded]
+        fields = {k: [v[i] for i in expanded] for k, v in task.fields.items()}
+        fields["trajectory_rewards"] = [c.reward for c in convs]
+        fields["tool_calls"] = [c.tool_calls for c in convs]
+        reward = rewards.score(self.prompts.reward_fns, prompts, texts, fields, expanded)
+        correct = np.asarray(task.accuracy_fn(prompts=prompts, completions=texts, **fields))
+        return reward, correct, rewards.group_advantages(reward, g)
+
+    def rollout(self, step: int, policy_version: int, history: stepmath.LengthHistory,
+                timer: metrics.PhaseTimer | None = None, global_idx: np.ndarray | None = None,
+                round_: int = 0) -> Rollout:
+        timer = timer or metrics.PhaseTimer()
+        with timer.phase("admit"):
+            adm = self.admit(step, history, global_idx)
+        with timer.phase("generate"):
+            convs = self.conversations(adm, round_)
+            rounds = run_turns(self.engine, convs, self.parser, self.sampling,
+                               rollout_seed(self.cfg.seed, step, self.host, round_), self.limits)
+        with timer.phase("reward"):
+            reward, correct, advantages = self.score_conversations(adm, convs)
+        seconds = {p: timer.seconds[p] for p in ("admit", "generate", "reward")}
+        g = self.cfg.num_generations
+        completions = tuple(
+            Completion(np.asarray(c.tokens, np.int32), np.asarray(c.logprobs, np.float32),
+                       "length" if c.status == "context_exceeded" else "stop") for c in convs)
+        turns = {**agentic_rollout.turn_metrics(convs), "rounds": float(rounds)} if convs else {}
+        return Rollout(adm, tuple(convs[j * g].prompt for j in range(len(adm.local_indices))),
+                       completions, reward, correct, advantages, policy_version, seconds,
+                       masks=tuple(np.asarray(c.mask, np.float32) for c in convs), turns=turns)
