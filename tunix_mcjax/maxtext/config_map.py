@@ -199,9 +199,8 @@ NOT_APPLICABLE = frozenset({
 }) | {k for k, v in VLLM_KEYS.items() if v is None} | NOT_READ_BY_TRAIN_RL
 
 # MaxText's keys that size a KV page pool -> ours. Under the engines with a pool
-# (config.PAGED_ENGINES) they are taken as they are, MaxText's defaults included (its
-# enable_prefix_caching is false); the maxtext engine decodes over a dense cache, so there they
-# are reported as not applied.
+# (config.PAGED_ENGINES: jax, maxtext and vllm) they are taken as they are, MaxText's defaults
+# included (its enable_prefix_caching is false).
 KV_POOL_KEYS: dict[str, str] = {
     "hbm_utilization_vllm": "hbm_utilization_vllm",
     "max_num_batched_tokens": "max_num_batched_tokens",
