@@ -159,6 +159,9 @@ DERIVED = frozenset({
     "micro_batch_size_to_train_on", "micro_batch_size_to_eval_on", "global_batch_size_to_train_on",
     "global_batch_size_to_eval_on", "global_batch_size_to_load", "global_batch_size_to_load_eval",
     "tensors_on_device", "tensors_to_offload", "moe_mlp_dim",
+    # The mesh shape, from the ici_*/dcn_*_parallelism keys (e.g. Gemma4-E4B's
+    # ici_tensor_parallelism=2).
+    "ici_parallelism", "dcn_parallelism",
 })
 
 # MaxText's vLLM sampler keys -> the Config key they set for this runtime's engines, or None:
