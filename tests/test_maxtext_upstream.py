@@ -78,6 +78,18 @@ def test_full_length_script_passes_the_adapters_checks(name):
     assert cfg.max_prefill_predict_length + cfg.max_completion_length == length
 
 
+@pytest.mark.parametrize("name", recipes.UPSTREAM)
+def test_cpu_variant_runs_past_the_window(name):
+    """The CPU variants shrink a window rather than the lengths: sequences run past it."""
+    from tunix_mcjax.maxtext import checked_config
+
+    _, args = recipes.cpu_command(name)
+    train_rl = recipes.script_path(name).parents[1] / "train_rl.py"
+    config, _, _ = checked_config([str(train_rl), *args], {}, num_hosts=2)
+    window = FULL_LENGTHS[name][0] and 32
+    assert (config.sliding_window_size, config.max_target_length) == (window, 144)
+
+
 @pytest.mark.parametrize("name", recipe_params())
 def test_upstream_recipe_runs_on_two_cpu_hosts(name, tmp_path):
     prep = subprocess.run(["bash", str(PREPARE), name], cwd=REPO, capture_output=True,
