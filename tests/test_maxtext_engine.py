@@ -337,3 +337,21 @@ def test_rollout_engine_key():
     cfg = load_config(None, {"rollout_engine": "maxtext"})
     with pytest.raises(ConfigError, match="runs under the MaxText adapter"):
         phases.default_engine(cfg, object(), jax.local_devices()[:1], 0, ())
+
+
+def test_bench_maxtext_models_have_the_jax_engines_shape():
+    """`bench.engine --maxtext-model`: dense Qwen3, or a MoE whose active experts have the
+    dense model's MLP width between them; `--maxtext-rev` needs the maxtext arm."""
+    from tunix_mcjax.bench import engine as bench
+
+    configs = {name: load_maxtext_config(["", RL_YML, *args], {})[0]
+               for name, args in bench.MAXTEXT_MODELS.items()}
+    dense, moe = configs["qwen3"], configs["qwen3-moe"]
+    assert (dense.num_experts, dense.mlp_dim) == (1, bench.MODEL.hidden_dim)
+    assert moe.num_experts_per_tok * moe.moe_mlp_dim == bench.MODEL.hidden_dim
+    assert config_map.rollout_engine_for(moe) == "maxtext"
+    for config in configs.values():
+        assert (config.num_decoder_layers, config.emb_dim, config.vocab_size) == (
+            bench.MODEL.num_layers, bench.MODEL.embed_dim, bench.MODEL.vocab_size)
+    with pytest.raises(ValueError, match="add --engine maxtext"):
+        bench.run(bench.PROFILES["gsm8k-cpu"], (), maxtext_rev="HEAD")
