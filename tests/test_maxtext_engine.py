@@ -33,25 +33,27 @@ RL_YML = f"{MAXTEXT_CONFIGS_DIR}/post_train/rl.yml"
 CPU = ["weight_dtype=float32", "dtype=float32", "hardware=cpu", "attention=dot_product",
        "megablox=false", "sparse_matmul=false", "convert_checkpoint_if_possible=false",
        "vocab_size=512", "log_config=false", "max_prefill_predict_length=16",
-       "max_target_length=24"]
+       "max_target_length=64"]
 SMALL = ["override_model_config=true", "base_emb_dim=64", "base_num_query_heads=4",
          "base_num_kv_heads=2", "head_dim=16"]
 MOE = ["base_mlp_dim=64", "base_moe_mlp_dim=32", "num_experts=4", "num_experts_per_tok=2"]
+# Every windowed family at a window of 8 tokens, so every test decodes past it.
+WINDOW = 8
 FAMILIES = {
     "qwen3": ["model_name=qwen3-0.6b", *SMALL, "base_num_decoder_layers=2", "base_mlp_dim=128"],
     "qwen3_moe": ["model_name=qwen3-30b-a3b", *SMALL, *MOE, "base_num_decoder_layers=2"],
     "gpt_oss": ["model_name=gpt-oss-20b", *SMALL, *MOE, "base_num_decoder_layers=2",
-                "sliding_window_size=24"],
+                f"sliding_window_size={WINDOW}"],
     # Gemma4's layer pattern puts a global layer after five local ones.
     "gemma4": ["model_name=gemma4-26b", *SMALL, *MOE, "base_num_decoder_layers=6",
-               "global_head_dim=32", "global_num_kv_heads=1", "sliding_window_size=24"],
+               "global_head_dim=32", "global_num_kv_heads=1", f"sliding_window_size={WINDOW}"],
     # As MaxText's gemma4-26b RL recipe runs it.
     "gemma4_unscanned": ["model_name=gemma4-26b", *SMALL, *MOE, "base_num_decoder_layers=6",
-                         "global_head_dim=32", "global_num_kv_heads=1", "sliding_window_size=24",
-                         "scan_layers=false"],
+                         "global_head_dim=32", "global_num_kv_heads=1",
+                         f"sliding_window_size={WINDOW}", "scan_layers=false"],
     # E4B: per-layer inputs and a KV-shared last layer (its donor is layer 4); no scan.
     "gemma4_small": ["model_name=gemma4-e4b", *SMALL, "base_num_decoder_layers=7",
-                     "global_head_dim=32", "base_mlp_dim=64", "sliding_window_size=24",
+                     "global_head_dim=32", "base_mlp_dim=64", f"sliding_window_size={WINDOW}",
                      "hidden_size_per_layer_input=16", "vocab_size_per_layer_input=512",
                      "num_kv_shared_layers=1", "scan_layers=false"],
 }
@@ -121,14 +123,25 @@ class World:
         return steps
 
 
+def assert_greedy(tokens: np.ndarray, steps: np.ndarray) -> None:
+    """Each greedy token is the forward's argmax over the tokens the engine may sample: pad
+    (id 0 here, not an EOS id) never is."""
+    allowed = np.asarray(steps).copy()
+    allowed[:, 0] = -np.inf
+    np.testing.assert_array_equal(tokens, np.argmax(allowed, axis=-1))
+
+
 _WORLDS: dict[str, World] = {}
 
 
 @pytest.fixture
 def world(request) -> World:
+    """One World per family, built once: the default suite's (FAST) stay, a slow family's
+    programs are dropped when another family is built."""
     name = request.param
     if name not in _WORLDS:
-        _WORLDS.clear()  # one family's programs in memory at a time
+        for other in [n for n in _WORLDS if n not in FAST]:
+            del _WORLDS[other]
         _WORLDS[name] = World(name)
     return _WORLDS[name]
 
@@ -142,7 +155,7 @@ def test_greedy_decode_is_the_full_forwards_argmax(world):
     for prompt, out in zip(world.prompts, outs, strict=True):
         assert len(out.tokens) == MAX_NEW and out.finish_reason == "length"
         steps = world.check_against_forward(prompt, out)
-        np.testing.assert_array_equal(out.tokens, np.argmax(steps, axis=-1))
+        assert_greedy(out.tokens, steps)
     # Every request took a row of two: five requests, so rows were refilled mid-loop.
     assert world.engine.compile_count == 1
     # Every family decodes over pages, unscanned: a scanned tree (a uniform stack, gpt-oss's
@@ -151,29 +164,27 @@ def test_greedy_decode_is_the_full_forwards_argmax(world):
     assert world.engine.unstack == (world.name in ("qwen3", "qwen3_moe", "gpt_oss", "gemma4"))
 
 
-# Decode well past a sliding window of 8, across pages of 4 tokens, through a pool that holds
+# Decode well past the sliding window of 8, across pages of 4 tokens, through a pool that holds
 # one sequence at the caps but not two: the second row is preempted and recomputed.
-WINDOW, LONG_NEW, PAGE = 8, 48, 4
-WINDOWED = {"gpt_oss", "gemma4_unscanned", "gemma4_small"}
+LONG_NEW, PAGE = 48, 4
+WINDOWED = {"gpt_oss", "gemma4", "gemma4_unscanned", "gemma4_small"}
 
 
-@pytest.mark.parametrize("name", [p for name in ("qwen3", "qwen3_moe", *sorted(WINDOWED))
-                                  for p in family_params(name)])
-def test_long_decode_past_the_window_across_pages_and_preemption(name):
-    overrides = ("max_target_length=64", *((f"sliding_window_size={WINDOW}",)
-                                           if name in WINDOWED else ()))
-    _WORLDS.clear()
-    world = World(name, overrides, max_new_tokens=LONG_NEW, page_size=PAGE, num_pages=24)
+@pytest.mark.parametrize("world", ALL, indirect=True)
+def test_long_decode_past_the_window_across_pages_and_preemption(world):
+    engine = MaxTextEngine(world.config, jax.local_devices()[:1], pad_id=0, eos_ids=(),
+                           max_prompt_length=16, max_new_tokens=LONG_NEW, max_batch_size=2,
+                           page_size=PAGE, num_pages=24)
+    engine.load_weights(policy.maxtext_tree(world.params))
     prompts = world.prompts[:3]
-    outs = world.engine.generate(prompts, SamplingParams(max_new_tokens=LONG_NEW, greedy=True),
-                                 seed=0)
-    assert sum(stats["preemptions"] for stats in world.engine.last_stats) > 0
+    outs = engine.generate(prompts, SamplingParams(max_new_tokens=LONG_NEW, greedy=True), seed=0)
+    assert sum(stats["preemptions"] for stats in engine.last_stats) > 0
     for prompt, out in zip(prompts, outs, strict=True):
         assert len(out.tokens) == LONG_NEW  # 6x the window, 12 pages and more
         steps = world.check_against_forward(prompt, out)
-        np.testing.assert_array_equal(out.tokens, np.argmax(steps, axis=-1))
-    if name in WINDOWED:  # the window is on: the forward without it decodes otherwise
-        assert world.config.sliding_window_size == WINDOW
+        assert_greedy(out.tokens, steps)
+    # The windowed families decode 6x past their window (Qwen3 has none).
+    assert world.config.sliding_window_size == (WINDOW if world.name in WINDOWED else 0)
 
 
 @pytest.mark.parametrize("world", family_params("qwen3_moe"), indirect=True)
@@ -225,7 +236,7 @@ def test_load_weights_changes_the_output(world):
                    for a, b in zip(before, after, strict=True))
         for prompt, out in zip(world.prompts, after, strict=True):
             steps = world.check_against_forward(prompt, out, params=new_params)
-            np.testing.assert_array_equal(out.tokens, np.argmax(steps, axis=-1))
+            assert_greedy(out.tokens, steps)
         # A partial tree replaces just its leaves: the old final norm brings back other logits.
         old_norm = policy.maxtext_tree(world.params)["decoder"]["decoder_norm"]
         engine.load_weights({"decoder": {"decoder_norm": old_norm}})
@@ -323,7 +334,7 @@ def test_what_cannot_run_is_refused_by_name():
     with pytest.raises(ConfigError, match=r"decoder_block=llama2\) is not supported"):
         config_map.check_model(llama)
     # Sliding windows apply by token position over pages: sequences longer than the window run.
-    longer = maxtext_config("gpt_oss").model_copy(update={"max_target_length": 64})
+    longer = maxtext_config("gpt_oss").model_copy(update={"max_target_length": 1024})
     config_map.check_model(longer)
 
 
@@ -334,3 +345,21 @@ def test_rollout_engine_key():
     cfg = load_config(None, {"rollout_engine": "maxtext"})
     with pytest.raises(ConfigError, match="runs under the MaxText adapter"):
         phases.default_engine(cfg, object(), jax.local_devices()[:1], 0, ())
+
+
+def test_bench_maxtext_models_have_the_jax_engines_shape():
+    """`bench.engine --maxtext-model`: dense Qwen3, or a MoE whose active experts have the
+    dense model's MLP width between them; `--maxtext-rev` needs the maxtext arm."""
+    from tunix_mcjax.bench import engine as bench
+
+    configs = {name: load_maxtext_config(["", RL_YML, *args], {})[0]
+               for name, args in bench.MAXTEXT_MODELS.items()}
+    dense, moe = configs["qwen3"], configs["qwen3-moe"]
+    assert (dense.num_experts, dense.mlp_dim) == (1, bench.MODEL.hidden_dim)
+    assert moe.num_experts_per_tok * moe.moe_mlp_dim == bench.MODEL.hidden_dim
+    assert config_map.rollout_engine_for(moe) == "maxtext"
+    for config in configs.values():
+        assert (config.num_decoder_layers, config.emb_dim, config.vocab_size) == (
+            bench.MODEL.num_layers, bench.MODEL.embed_dim, bench.MODEL.vocab_size)
+    with pytest.raises(ValueError, match="add --engine maxtext"):
+        bench.run(bench.PROFILES["gsm8k-cpu"], (), maxtext_rev="HEAD")

@@ -57,6 +57,39 @@ def test_cpu_args_leave_the_algorithm_alone(name):
     assert "rl_runtime" not in overridden
 
 
+# The model's own sliding window (0: none) at each script's own lengths.
+FULL_LENGTHS = {"run_qwen3_30b_rl": (0, 8192), "run_gptoss_20b_rl": (128, 1024),
+                "run_gemma4_26b_rl": (1024, 8192), "run_gemma4_e4b_rl": (512, 4096)}
+
+
+@pytest.mark.parametrize("name", recipes.UPSTREAM)
+def test_full_length_script_passes_the_adapters_checks(name):
+    """Each script's own command, at its own lengths and its model's real window, maps onto
+    the maxtext engine with nothing refused (2 hosts: every script's rollout_data_parallelism
+    divides by it). Config mapping only: no model is built."""
+    from tunix_mcjax.maxtext import checked_config
+
+    _, args = recipes.script_command(name)
+    train_rl = recipes.script_path(name).parents[1] / "train_rl.py"  # MaxText infers rl.yml
+    config, cfg, _ = checked_config([str(train_rl), *args], {}, num_hosts=2)
+    window, length = FULL_LENGTHS[name]
+    assert (config.sliding_window_size, config.max_target_length) == (window, length)
+    assert cfg.rollout_engine == "maxtext"
+    assert cfg.max_prefill_predict_length + cfg.max_completion_length == length
+
+
+@pytest.mark.parametrize("name", recipes.UPSTREAM)
+def test_cpu_variant_runs_past_the_window(name):
+    """The CPU variants shrink a window rather than the lengths: sequences run past it."""
+    from tunix_mcjax.maxtext import checked_config
+
+    _, args = recipes.cpu_command(name)
+    train_rl = recipes.script_path(name).parents[1] / "train_rl.py"
+    config, _, _ = checked_config([str(train_rl), *args], {}, num_hosts=2)
+    window = FULL_LENGTHS[name][0] and 32
+    assert (config.sliding_window_size, config.max_target_length) == (window, 144)
+
+
 @pytest.mark.parametrize("name", recipe_params())
 def test_upstream_recipe_runs_on_two_cpu_hosts(name, tmp_path):
     prep = subprocess.run(["bash", str(PREPARE), name], cwd=REPO, capture_output=True,

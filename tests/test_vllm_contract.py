@@ -174,10 +174,14 @@ def test_vllm_config_keys_are_honoured_or_refused():
     assert config.json_object(cfg, "vllm_hf_overrides") == {"rms_norm_eps": 1e-5}
     with pytest.raises(ConfigError, match="set rollout_engine=vllm"):
         config.load_config(None, {"async_scheduling": True})
-    # The KV pool keys size the jax engine's pool too; the maxtext engine has none yet.
+    # The KV pool keys size the jax and maxtext engines' pools too.
     assert config.load_config(None, {"max_num_batched_tokens": 256}).max_num_batched_tokens == 256
-    with pytest.raises(ConfigError, match="vllm_block_size size a KV page pool"):
-        config.load_config(None, {"rollout_engine": "maxtext", "vllm_block_size": 32})
+    paged = config.load_config(None, {"rollout_engine": "maxtext", "vllm_block_size": 32,
+                                      "free_kv_cache_during_weight_sync": False})
+    assert paged.vllm_block_size == 32
+    with pytest.raises(ConfigError, match="vLLM keeps its pool"):
+        config.load_config(None, {"rollout_engine": "vllm", "rl_publish_weights_single_call": True,
+                                  "free_kv_cache_during_weight_sync": False})
     with pytest.raises(ConfigError, match="JSON object"):
         config.load_config(None, {"rollout_engine": "vllm", "vllm_additional_config": "[1]",
                                   "rl_publish_weights_single_call": True})

@@ -1,4 +1,5 @@
-"""rollout_engine=vllm under the MaxText adapter: MaxText's vLLM keys are honoured there."""
+"""rollout_engine=vllm under the MaxText adapter: MaxText's vLLM keys are honoured there; its
+page-pool keys size every engine's pool."""
 
 from __future__ import annotations
 
@@ -43,6 +44,25 @@ def test_maxtext_pool_keys_size_the_jax_engine_and_vllm_only_keys_do_not_apply()
     _, cfg, _ = checked_config(maxtext_argv(), {}, 1)
     assert (cfg.hbm_utilization_vllm, cfg.max_num_batched_tokens, cfg.vllm_block_size,
             cfg.enable_prefix_caching) == (0.72, 0, 0, False)
+
+
+def test_maxtext_pool_keys_reach_the_maxtext_engines_pool():
+    """The maxtext engine decodes over our page pool: MaxText's pool keys size it."""
+    import jax
+
+    from tunix_mcjax.runtime import phases
+
+    pool = ("rollout_engine=maxtext", "vllm_block_size=8", "max_num_batched_tokens=32",
+            "enable_prefix_caching=true", "free_kv_cache_during_weight_sync=false",
+            "max_prefill_predict_length=16", "max_target_length=32")
+    config, cfg, not_applied = checked_config(maxtext_argv(*pool), {}, 1)
+    assert cfg.rollout_engine == "maxtext" and not_applied == {}
+    engine = phases.default_engine(cfg, config, jax.local_devices()[:1], 0, ())
+    assert (engine.page_size, engine.max_num_batched_tokens, engine.prefix_caching,
+            engine.free_pool_after_generate) == (8, 32, True, False)
+    _, small, _ = checked_config(maxtext_argv(*pool, "hbm_utilization_vllm=1e-9"), {}, 1)
+    with pytest.raises(ValueError, match="raise hbm_utilization_vllm"):
+        phases.default_engine(small, config, jax.local_devices()[:1], 0, ())
 
 
 def test_rollout_engine_vllm_needs_the_single_call_publish():

@@ -23,11 +23,16 @@ Engine `iteration_ms` = (median generate wall - prefill floor) / decode iteratio
 sampling, stop checks and loop bookkeeping to the iteration; `iteration_vs_floor_ratio` compares
 it with the bare step. Spreads are IQRs over repeats; the tokens/s ratio has a bootstrap interval.
 
-* `--engine maxtext`: the maxtext engine (MaxText's own dense Qwen3 of the same shape, its own
-  random init) with the engine arm's loop settings; tokens/s against the JAX engine and Tunix.
+* `--engine maxtext`: the maxtext engine (MaxText's own model, its own random init) with the
+  engine arm's loop settings; tokens/s against the JAX engine and Tunix. `--maxtext-model`:
+  `qwen3`, MaxText's dense Qwen3 of the same shape, or `qwen3-moe`, MaxText's Qwen3 MoE of that
+  shape with 8 experts of a quarter the MLP width, 2 per token (the dense model's active MLP
+  width). `--maxtext-rev REV`: also that revision's maxtext engine on the same model (e.g. the
+  dense-cache engine before pages), in a worker process like `--rev`'s.
 
     python -m tunix_mcjax.bench.engine [--profile NAME] [--engine maxtext|vllm ...]
-        [--rev REV] [--repeats N] [--json FILE]
+        [--maxtext-model qwen3|qwen3-moe] [--maxtext-rev REV] [--rev REV] [--repeats N]
+        [--json FILE]
 """
 
 from __future__ import annotations
@@ -227,9 +232,9 @@ def engine_arm(
     return measure, info
 
 
-def rev_arm(profile, prompts, sampling, rev: str) -> tuple[Measure, dict]:
-    """Revision `rev`'s JaxEngine, in a worker process over `git archive` of its package,
-    with the engine arm's settings; asked for one generate per repeat."""
+def rev_worker(rev: str) -> Callable[[dict], dict]:
+    """A worker process (`bench.rev_engine_worker`) over `git archive` of revision `rev`'s
+    package; returns the function that sends it one request and reads its answer."""
     import atexit
     import shutil
     import subprocess
@@ -255,9 +260,22 @@ def rev_arm(profile, prompts, sampling, rev: str) -> tuple[Measure, dict]:
             raise RuntimeError(f"the {rev} engine worker exited with {proc.wait()}")
         return json.loads(line)
 
-    mc = model_of(profile)
-    model = {**{k: getattr(mc, k) for k in MODEL_FIELDS}, "dtype": np.dtype(mc.dtype).name}
-    info = ask({"model": model,
+    return ask
+
+
+def rev_arm(profile, prompts, sampling, rev: str,
+            maxtext: Sequence[str] | None = None) -> tuple[Measure, dict]:
+    """Revision `rev`'s engine in a worker process (`rev_worker`), with the engine arm's
+    settings: its JaxEngine over Tunix's Qwen3 of the profile's shape, or with `maxtext` (MaxText
+    arguments) its MaxTextEngine over that model; asked for one generate per repeat."""
+    ask = rev_worker(rev)
+    if maxtext is None:
+        mc = model_of(profile)
+        built = {"model": {**{k: getattr(mc, k) for k in MODEL_FIELDS},
+                           "dtype": np.dtype(mc.dtype).name}}
+    else:
+        built = {"maxtext": list(maxtext)}
+    info = ask({**built,
                 "prompts": prompts, "max_prompt_length": pow2_at_least(profile.prompt_lengths[1]),
                 "max_new_tokens": sampling.max_new_tokens, "max_batch_size": profile.decode_batch,
                 "sampling": dataclasses.asdict(sampling)})
@@ -265,9 +283,9 @@ def rev_arm(profile, prompts, sampling, rev: str) -> tuple[Measure, dict]:
     return lambda rep: ask({"seed": rep + 1}), info
 
 
-# MaxText's dense Qwen3 at MODEL's shape, CPU kernels, fp32 (`--engine maxtext`).
-MAXTEXT_MODEL = [
-    "model_name=qwen3-0.6b", "override_model_config=true",
+# MaxText's Qwen3 at MODEL's shape, CPU kernels, fp32 (`--engine maxtext`).
+MAXTEXT_SHAPE = [
+    "override_model_config=true",
     f"base_num_decoder_layers={MODEL.num_layers}", f"vocab_size={MODEL.vocab_size}",
     f"base_emb_dim={MODEL.embed_dim}", f"base_mlp_dim={MODEL.hidden_dim}",
     f"base_num_query_heads={MODEL.num_heads}", f"base_num_kv_heads={MODEL.num_kv_heads}",
@@ -275,12 +293,23 @@ MAXTEXT_MODEL = [
     "weight_dtype=float32", "hardware=cpu", "attention=dot_product",
     "convert_checkpoint_if_possible=false", "log_config=false",
 ]  # fmt: skip
+# `--maxtext-model` -> MaxText's arguments: dense Qwen3, or Qwen3 MoE whose 2 active experts
+# of 8 have the dense model's MLP width between them (MaxText's own expert computation, its
+# CPU path: no megablox, no sparse matmul).
+MAXTEXT_MODELS = {
+    "qwen3": ["model_name=qwen3-0.6b", *MAXTEXT_SHAPE],
+    "qwen3-moe": ["model_name=qwen3-30b-a3b", *MAXTEXT_SHAPE, "num_experts=8",
+                  "num_experts_per_tok=2", f"base_moe_mlp_dim={MODEL.hidden_dim // 2}",
+                  "megablox=false", "sparse_matmul=false"],
+}
 
 
-def maxtext_arm(profile, _params, prompts, sampling) -> tuple[Measure, dict]:
-    """The maxtext engine (MaxText's own Qwen3, random init, same shape as MODEL) with the same
-    loop settings as the `engine` arm: continuous batching through `decode_batch` rows. It has
-    its own params (MaxText's init), not the JAX engine's."""
+def maxtext_arm(profile, _params, prompts, sampling,
+                model_args: Sequence[str] = tuple(MAXTEXT_MODELS["qwen3"])
+                ) -> tuple[Measure, dict]:
+    """The maxtext engine (MaxText's own model of `model_args`, random init, MODEL's shape)
+    with the same loop settings as the `engine` arm: continuous batching through
+    `decode_batch` rows. It has its own params (MaxText's init), not the JAX engine's."""
     if profile.model != "tiny":
         raise ValueError(f"--engine maxtext builds the tiny shape only; profile {profile.name} "
                          f"is {profile.model}")
@@ -291,7 +320,7 @@ def maxtext_arm(profile, _params, prompts, sampling) -> tuple[Measure, dict]:
     from tunix_mcjax.maxtext import load_maxtext_config, policy
 
     rl_yml = f"{MAXTEXT_CONFIGS_DIR}/post_train/rl.yml"
-    config, _ = load_maxtext_config(["", rl_yml, *MAXTEXT_MODEL], {})
+    config, _ = load_maxtext_config(["", rl_yml, *model_args], {})
     model, _ = policy.build_model(config, pad_id=PAD_ID)
     _, params = policy.maxtext_policy(model, config)
     engine = MaxTextEngine(
@@ -307,7 +336,8 @@ def maxtext_arm(profile, _params, prompts, sampling) -> tuple[Measure, dict]:
         wall, out = timed(lambda: engine.generate(prompts, sampling, seed=rep + 1))
         info["compile_count"] = engine.compile_count
         return {"wall_s": wall, "tokens": sum(len(c.tokens) for c in out),
-                "iterations": sum(engine.last_iterations)}
+                "iterations": sum(engine.last_iterations),
+                "completions": [c.tokens.tolist() for c in out]}
 
     return measure, info
 
@@ -438,11 +468,14 @@ def same_outputs(records: list[dict], reference: list[dict]) -> float:
     return sum(a == b for a, b in pairs) / len(pairs)
 
 
-def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = None
-        ) -> dict[str, Any]:
+def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = None,
+        maxtext_model: str = "qwen3", maxtext_rev: str | None = None) -> dict[str, Any]:
     """Warm every arm up, then run the arms interleaved, once each per repeat, so that load
     from other processes hits them alike. `engines` names `ENGINE_ARMS` to add; `rev` adds
-    that revision's JAX engine."""
+    that revision's JAX engine; `maxtext_model` is the maxtext arm's model
+    (`MAXTEXT_MODELS`), `maxtext_rev` adds that revision's maxtext engine on it."""
+    if maxtext_rev and "maxtext" not in engines:
+        raise ValueError("--maxtext-rev compares with the maxtext engine: add --engine maxtext")
     load_before = os.getloadavg()
     compiles = [0]
     jax.monitoring.register_event_duration_secs_listener(
@@ -471,8 +504,12 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
         arms["engine_one_batch"] = engine_arm(*workload, continuous=False, batch=profile.requests)
     if rev:
         arms["rev"] = rev_arm(profile, prompts, sampling, rev)
+    options = {"maxtext": {"model_args": MAXTEXT_MODELS[maxtext_model]}}
     for name in engines:
-        arms[name] = ENGINE_ARMS[name](*workload)
+        arms[name] = ENGINE_ARMS[name](*workload, **options.get(name, {}))
+    if maxtext_rev:
+        arms["maxtext_rev"] = rev_arm(profile, prompts, sampling, maxtext_rev,
+                                      maxtext=MAXTEXT_MODELS[maxtext_model])
     arms["tunix"] = tunix_arm(profile, model, prompts, sampling, compiles)
     arms["floor"] = floor_arm(profile, params, arms["engine"][1]["decode_batch"])
     records: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
@@ -481,6 +518,8 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
             records[name].append(measure(rep))
     same = {name: same_outputs(records[name], records["engine"])
             for name in ("engine_short_cap", "rev") if name in records}
+    if "maxtext_rev" in records:
+        same["maxtext_rev_vs_maxtext"] = same_outputs(records["maxtext_rev"], records["maxtext"])
     for arm_records in records.values():
         for record in arm_records:
             record.pop("completions", None)
@@ -522,6 +561,12 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
         result["rev_tokens_per_s_spread"] = spread(tokens_per_s(records["rev"]))
         result["tokens_per_s_ratio_vs_rev"] = bootstrap_ratio(tokens_per_s(engine),
                                                               tokens_per_s(records["rev"]))
+    if "maxtext" in records:
+        result["maxtext_model"] = maxtext_model
+    if "maxtext_rev" in records:
+        result["maxtext_rev_tokens_per_s_spread"] = spread(tokens_per_s(records["maxtext_rev"]))
+        result["maxtext_tokens_per_s_ratio_vs_maxtext_rev"] = bootstrap_ratio(
+            tokens_per_s(records["maxtext"]), tokens_per_s(records["maxtext_rev"]))
     for name in engines:
         result[f"{name}_tokens_per_s_spread"] = spread(tokens_per_s(records[name]))
         result[f"{name}_tokens_per_s_ratio_vs_engine"] = bootstrap_ratio(
@@ -549,6 +594,7 @@ def print_table(result: dict[str, Any]) -> None:
         ("no CB, waves", "engine_waves"),
         ("no CB, 1 batch", "engine_one_batch"),
         *((f"{name} engine", name) for name in ENGINE_ARMS),
+        (f"maxtext {info.get('maxtext_rev', {}).get('rev', '')}"[:16], "maxtext_rev"),
         ("tunix Sampler", "tunix"),
     ]
     print(f"profile {result['profile']['name']}  model {result['model']}  {result['device']}")
@@ -587,6 +633,11 @@ def print_table(result: dict[str, Any]) -> None:
                 ratio, low, high = result[f"{name}_tokens_per_s_ratio_vs_{other}"]
                 print(f"{name} engine tokens/s vs {other}: {ratio:.2f} "
                       f"[95% CI {low:.2f}, {high:.2f}]")
+    if "maxtext_tokens_per_s_ratio_vs_maxtext_rev" in result:
+        ratio, low, high = result["maxtext_tokens_per_s_ratio_vs_maxtext_rev"]
+        print(f"maxtext engine ({result['maxtext_model']}) tokens/s vs rev "
+              f"{info['maxtext_rev']['rev']}'s: {ratio:.2f} [95% CI {low:.2f}, {high:.2f}], "
+              f"same outputs {result['same_outputs_as_engine']['maxtext_rev_vs_maxtext']:.0%}")
     for variant in ("waves", "one_batch"):
         if f"cb_speedup_vs_{variant}" in result:
             speedup, low, high = result[f"cb_speedup_vs_{variant}"]
@@ -605,13 +656,19 @@ def main(argv: Sequence[str] | None = None) -> None:
                         help="also run this engine beside the JAX engine (repeatable)")
     parser.add_argument("--rev", help="also run this git revision's JAX engine (e.g. the "
                         "commit before the paged engine), in a worker process")
+    parser.add_argument("--maxtext-model", choices=sorted(MAXTEXT_MODELS), default="qwen3",
+                        help="the maxtext engine's model: MaxText's dense Qwen3 or a tiny Qwen3 "
+                        "MoE, of the JAX engine's shape (default: qwen3)")
+    parser.add_argument("--maxtext-rev", help="also run this git revision's maxtext engine on "
+                        "the same model (e.g. 360faf4, before it was paged), in a worker "
+                        "process; needs --engine maxtext")
     parser.add_argument("--repeats", type=int, help="timed repeats per arm (default: the "
                         "profile's); more narrow the intervals on a loaded machine")
     args = parser.parse_args(argv)
     profile = PROFILES[args.profile]
     if args.repeats:
         profile = dataclasses.replace(profile, repeats=args.repeats)
-    result = run(profile, args.engine, args.rev)
+    result = run(profile, args.engine, args.rev, args.maxtext_model, args.maxtext_rev)
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:

@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
 VLLM_KEYS = keys_of(Vllm)
 # The engines with a KV page pool, and the keys that size it.
-PAGED_ENGINES = ("jax", "vllm")
+PAGED_ENGINES = ("jax", "maxtext", "vllm")
 KV_POOL_KEYS = ("hbm_utilization_vllm", "max_num_batched_tokens", "vllm_block_size",
                 "enable_prefix_caching")
 DA_KEYS = keys_of(Disaggregated)
@@ -79,13 +79,12 @@ def _vllm(cfg: Config) -> None:
 def _kv_pool(cfg: Config) -> None:
     if cfg.rollout_engine not in PAGED_ENGINES and (keys := changed(cfg, KV_POOL_KEYS)):
         raise ConfigError(f"{', '.join(keys)} size a KV page pool, but "
-                          f"rollout_engine={cfg.rollout_engine} decodes MaxText's model "
-                          "over a dense cache (no pool yet): drop them, or use "
+                          f"rollout_engine={cfg.rollout_engine} has none: drop them, or use "
                           f"rollout_engine={' or '.join(PAGED_ENGINES)}")
-    if not cfg.free_kv_cache_during_weight_sync and cfg.rollout_engine != "jax":
-        raise ConfigError(f"free_kv_cache_during_weight_sync=false keeps the jax engine's page "
-                          f"pool across steps; rollout_engine={cfg.rollout_engine} has no such "
-                          "choice here (vLLM keeps its pool): drop it")
+    if not cfg.free_kv_cache_during_weight_sync and cfg.rollout_engine == "vllm":
+        raise ConfigError("free_kv_cache_during_weight_sync=false keeps our decode loop's page "
+                          "pool across steps (rollout_engine=jax or maxtext); vLLM keeps its "
+                          "pool here anyway: drop it")
 
 
 def _disaggregated(cfg: Config) -> None:

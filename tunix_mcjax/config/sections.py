@@ -146,7 +146,7 @@ class Rollout:
 class KvPool:
     """KV page pool
 
-    The paged KV cache of rollout_engine=jax and vllm (MaxText's key names)."""
+    The paged KV cache of rollout_engine=jax, maxtext and vllm (MaxText's key names)."""
 
     hbm_utilization_vllm: float = key(
         0.72, "Share of each device the engine may hold, weights and page pool together (vLLM on "
@@ -155,16 +155,17 @@ class KvPool:
         runtime_only=True)
     max_num_batched_tokens: int = key(
         0, "Prompt tokens one scheduler step prefills (chunked prefill); 0: the engine's default "
-        "(jax: 2048).", check=at_least(0, "(0: the engine's default)"), runtime_only=True)
+        "(jax, maxtext: 2048).", check=at_least(0, "(0: the engine's default)"), runtime_only=True)
     vllm_block_size: int = key(
-        0, "Tokens per KV page; 0: the engine's default (jax: 16).",
+        0, "Tokens per KV page; 0: the engine's default (jax, maxtext: 16).",
         check=at_least(0, "(0: the engine's default)"), runtime_only=True)
     enable_prefix_caching: bool = key(
         True, "Requests with the same prompt (a GRPO group) share its KV pages, prefilled once.",
         runtime_only=True)
     free_kv_cache_during_weight_sync: bool = key(
-        True, "The jax engine gives its page pool back after each rollout, so the train step has "
-        "that memory; false keeps it across steps.", runtime_only=True)
+        True, "The jax and maxtext engines give their page pool back after each rollout, so the "
+        "train step has that memory; false keeps it across steps (vLLM keeps its pool).",
+        runtime_only=True)
 
 
 @section

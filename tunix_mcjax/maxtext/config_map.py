@@ -159,6 +159,9 @@ DERIVED = frozenset({
     "micro_batch_size_to_train_on", "micro_batch_size_to_eval_on", "global_batch_size_to_train_on",
     "global_batch_size_to_eval_on", "global_batch_size_to_load", "global_batch_size_to_load_eval",
     "tensors_on_device", "tensors_to_offload", "moe_mlp_dim",
+    # The mesh shape, from the ici_*/dcn_*_parallelism keys (e.g. Gemma4-E4B's
+    # ici_tensor_parallelism=2).
+    "ici_parallelism", "dcn_parallelism",
 })
 
 # MaxText's vLLM sampler keys -> the Config key they set for this runtime's engines, or None:
@@ -199,9 +202,8 @@ NOT_APPLICABLE = frozenset({
 }) | {k for k, v in VLLM_KEYS.items() if v is None} | NOT_READ_BY_TRAIN_RL
 
 # MaxText's keys that size a KV page pool -> ours. Under the engines with a pool
-# (config.PAGED_ENGINES) they are taken as they are, MaxText's defaults included (its
-# enable_prefix_caching is false); the maxtext engine decodes over a dense cache, so there they
-# are reported as not applied.
+# (config.PAGED_ENGINES: jax, maxtext and vllm) they are taken as they are, MaxText's defaults
+# included (its enable_prefix_caching is false).
 KV_POOL_KEYS: dict[str, str] = {
     "hbm_utilization_vllm": "hbm_utilization_vllm",
     "max_num_batched_tokens": "max_num_batched_tokens",

@@ -54,7 +54,8 @@ def maxtext_engine(cfg: Config, model_config, devices, pad_id: int,
             "adapter (rl_runtime=mcjax on MaxText's train_rl); this run's model is Tunix Qwen3: "
             "use rollout_engine=jax")
     return MaxTextEngine(model_config, devices, pad_id=pad_id, eos_ids=eos_ids,
-                         weight_dtype=cfg.rollout_weight_dtype or None, **_engine_options(cfg))
+                         weight_dtype=cfg.rollout_weight_dtype or None, **_engine_options(cfg),
+                         **_pool_options(cfg))
 
 
 def vllm_engine(cfg: Config, model_config, devices, pad_id: int,
