@@ -34,7 +34,6 @@ import jax
 import jax.numpy as jnp
 
 from tunix_mcjax.engine import pages as pg
-from tunix_mcjax.engine.paged_attention import SharedPrefix
 from tunix_mcjax.engine.qwen3_forward import PagedRows
 from tunix_mcjax.engine.sampling import SamplerSpec, sample
 
@@ -54,7 +53,6 @@ class ProgramShape:
     num_pages: int  # the pool's
     chunk: int  # prefill tokens per row
     prefill_rows: int  # prefill rows per iteration
-    group_size: int  # most requests of one prompt (a GRPO group); 1: no prompt is shared
 
     @property
     def table_pages(self) -> int:
@@ -405,7 +403,6 @@ def decode_phase(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
         kv_lens=jnp.where(active, positions + 1, 0),
         q_lens=active.astype(jnp.int32),
         logit_cols=jnp.zeros((shape.num_slots,), jnp.int32),
-        prefix=shared_prefix(shape, inp, state, prompt),
     )
     logits, pool = model.forward(params, state.pool, paged)
     request, index = state.row_request, state.row_cursor + 1
@@ -417,18 +414,6 @@ def decode_phase(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
     finished = active & ~known & ends(inp, tokens, index + 1)
     state = replace(state, row_cursor=state.row_cursor + active, row_token=next_token)
     return vacate_rows(shape, inp, state, finished, finished)
-
-
-def shared_prefix(shape: ProgramShape, inp: Inputs, state: LoopState,
-                  row_prompt: jax.Array) -> SharedPrefix | None:
-    """The prompts' full pages that decode rows share (attended once per prompt), or None
-    when no prompt has two requests or none fills a page."""
-    width = shape.prompt_len // shape.page_size
-    if shape.group_size == 1 or width == 0:
-        return None
-    return SharedPrefix(tables=state.prompt_tables[:, :width],
-                        pages=inp.prompt_lens // shape.page_size, row_prompt=row_prompt,
-                        group=min(shape.group_size, shape.num_slots))
 
 
 # ----- sampling -------------------------------------------------------------------------------
