@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from tunix_mcjax import metrics, rewards
+from tunix_mcjax import metrics
 from tunix_mcjax.agentic import rollout as agentic_rollout
 from tunix_mcjax.agentic.conversation import Conversation
 from tunix_mcjax.agentic.loop import TurnLimits, run_turns
@@ -77,20 +77,13 @@ class AgenticRollouts(RolloutPhases):
 
     def score_conversations(self, adm: Admission, convs: list[Conversation]
                             ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        g, task = self.cfg.num_generations, self.prompts.task
         if not convs:
             return (np.zeros(0, np.float32),) * 3
-        expanded = [int(i) for i in adm.local_indices for _ in range(g)]
         texts = [self.parser.tokenizer.decode(
             [t for t, m in zip(c.tokens, c.mask, strict=True) if m], skip_special_tokens=True)
             for c in convs]
-        prompts = [task.prompts[i] for i in expanded]
-        fields = {k: [v[i] for i in expanded] for k, v in task.fields.items()}
-        fields["trajectory_rewards"] = [c.reward for c in convs]
-        fields["tool_calls"] = [c.tool_calls for c in convs]
-        reward = rewards.score(self.prompts.reward_fns, prompts, texts, fields, expanded)
-        correct = np.asarray(task.accuracy_fn(prompts=prompts, completions=texts, **fields))
-        return reward, correct, rewards.group_advantages(reward, g)
+        return self.score_texts(adm, texts, {"trajectory_rewards": [c.reward for c in convs],
+                                             "tool_calls": [c.tool_calls for c in convs]})
 
     def rollout(self, step: int, policy_version: int, history: stepmath.LengthHistory,
                 timer: metrics.PhaseTimer | None = None, global_idx: np.ndarray | None = None,

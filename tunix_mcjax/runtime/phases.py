@@ -162,16 +162,22 @@ class RolloutPhases:
     def score(self, adm: Admission, completions: list[Completion]
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(rewards, correct, group advantages); every group is whole on this host."""
-        g, task = self.cfg.num_generations, self.prompts.task
         if not completions:
             return (np.zeros(0, np.float32),) * 3
-        expanded = [i for i in adm.local_indices for _ in range(g)]
         # A completion that stopped ends with its stop token; only that one is dropped.
         texts = self.prompts.tokenizer.batch_decode(
             [c.tokens[:-1] if c.finish_reason != "length" else c.tokens for c in completions],
             skip_special_tokens=True)
+        return self.score_texts(adm, texts)
+
+    def score_texts(self, adm: Admission, texts: list[str], extra: dict[str, list] | None = None
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rewards, correct, group advantages) of the admitted groups' completion `texts`, in
+        order; `extra`: more per-completion fields for the reward and accuracy functions."""
+        g, task = self.cfg.num_generations, self.prompts.task
+        expanded = [int(i) for i in adm.local_indices for _ in range(g)]
         prompts = [task.prompts[i] for i in expanded]
-        fields = {k: [v[i] for i in expanded] for k, v in task.fields.items()}
+        fields = {k: [v[i] for i in expanded] for k, v in task.fields.items()} | (extra or {})
         reward = rewards.score(self.prompts.reward_fns, prompts, texts, fields, expanded)
         correct = np.asarray(task.accuracy_fn(prompts=prompts, completions=texts, **fields))
         return reward, correct, rewards.group_advantages(reward, g)
