@@ -23,7 +23,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3 import model as qwen3
 
-from tunix_mcjax import lora, memory
+from tunix_mcjax import hostmem, lora, memory
 from tunix_mcjax.engine import pages
 from tunix_mcjax.engine.base import Completion, Engine, FinishReason, SamplingParams
 from tunix_mcjax.engine.decode_loop import (
@@ -394,6 +394,7 @@ class JaxEngine(Engine):
         finally:
             if self.free_pool_after_generate:
                 self._pools = [None for _ in self.meshes]
+                hostmem.trim(self.meshes[0].devices.flat)
 
     def _buckets(self, prompts: list[np.ndarray], sampling: SamplingParams) -> tuple[int, int]:
         """(prompt length, new tokens) padded to powers of two, capped by the engine limits."""
