@@ -20,7 +20,7 @@ from tests.test_engine import (  # noqa: E402
     assert_greedy_matches,
     params_of,
 )
-from tunix_mcjax import config, models  # noqa: E402
+from tunix_mcjax import config, hostmem, models  # noqa: E402
 from tunix_mcjax.engine import paged_attention as pa  # noqa: E402
 from tunix_mcjax.engine import pages  # noqa: E402
 from tunix_mcjax.engine.base import SamplingParams  # noqa: E402
@@ -358,7 +358,15 @@ def test_a_freed_pool_leaves_the_resident_set_on_cpu(tiny):
     freeing = paged_engine(tiny, page_size=4, num_pages=61440, free_pool_after_generate=True)
     pool_bytes = freeing.num_pages * pages.page_bytes(tiny[0].num_layers, tiny[0].num_kv_heads,
                                                       tiny[0].head_dim, 4, 4)
+    assert freeing.pool_bytes == pool_bytes >= hostmem.TRIM_FROM_BYTES
     before = resident_bytes()
     freeing.generate(PROMPTS, SAMPLE, seed=6)
     assert freeing._pools == [None]
     assert resident_bytes() - before < pool_bytes
+
+
+def test_a_small_freed_pool_is_left_to_the_heap():
+    """A trim walks the heap: it runs after a large free on CPU only."""
+    cpu = jax.devices("cpu")
+    assert hostmem.trim(cpu, hostmem.TRIM_FROM_BYTES)
+    assert not hostmem.trim(cpu, hostmem.TRIM_FROM_BYTES - 1)

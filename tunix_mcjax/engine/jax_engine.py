@@ -221,6 +221,7 @@ class JaxEngine(Engine):
         self.num_pages = num_pages or self._pages_for(devices[0], len(devices), hbm_utilization,
                                                        tp)
         self._check_pool()
+        self.pool_bytes = self.num_pages * self._page_bytes(tp) * len(devices)  # all replicas
         self._params: list[dict[LeafPath, jax.Array]] = [{} for _ in self.meshes]
         self._pools: list[Any] = [None for _ in self.meshes]
         self._replica_models: dict[int, DecodeModel] = {}
@@ -394,7 +395,7 @@ class JaxEngine(Engine):
         finally:
             if self.free_pool_after_generate:
                 self._pools = [None for _ in self.meshes]
-                hostmem.trim(self.meshes[0].devices.flat)
+                hostmem.trim(self.meshes[0].devices.flat, self.pool_bytes)
 
     def _buckets(self, prompts: list[np.ndarray], sampling: SamplingParams) -> tuple[int, int]:
         """(prompt length, new tokens) padded to powers of two, capped by the engine limits."""
