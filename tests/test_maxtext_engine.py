@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 
@@ -25,6 +26,7 @@ from tests.mp import REPO, launch_worker, read_jsonl  # noqa: E402
 from tunix_mcjax.config import ConfigError, load_config  # noqa: E402
 from tunix_mcjax.engine import SamplingParams  # noqa: E402
 from tunix_mcjax.engine.maxtext_engine import MaxTextEngine  # noqa: E402
+from tunix_mcjax.engine.maxtext_model import MOE_UP_KERNELS  # noqa: E402
 from tunix_mcjax.maxtext import config_map, load_maxtext_config, policy  # noqa: E402
 from tunix_mcjax.publish import Publisher  # noqa: E402
 from tunix_mcjax.runtime import phases  # noqa: E402
@@ -203,6 +205,36 @@ def test_sampled_logprobs_and_per_request_seeds(world):
     np.testing.assert_array_equal(alone.tokens, first[0].tokens)
     for prompt, out in zip(world.prompts, first, strict=True):
         world.check_against_forward(prompt, out, temperature=0.7)
+
+
+@pytest.mark.parametrize("world", family_params("qwen3_moe"), indirect=True)
+def test_moe_up_kernels_reach_the_dot_without_a_copy(world):
+    """On CPU the MoE up-kernels are stored [embed, experts, mlp]: the decode program reads
+    them as its dot's [embed, experts * mlp] operand (a bitcast), where MaxText's [experts,
+    embed, mlp] took a copy of every kernel at every step. `weights()` is MaxText's layout."""
+    engine = world.engine
+    engine.generate(world.prompts[:1], GREEDY, seed=0)
+    moved = sorted(engine._minor_paths)
+    assert [p[-1] for p in moved] == ["wi_0", "wi_1"] * world.config.num_decoder_layers
+    experts, embed, mlp = engine._leaf_specs[moved[0]].shape
+    assert engine._params[0][moved[0]].shape == (embed, experts, mlp)
+    kernel_shapes = {f"[{embed},{experts * mlp}]", f"[{embed},{experts},{mlp}]",
+                     f"[{experts},{embed},{mlp}]"}
+    for program in engine._programs.values():
+        for line in program.as_text().splitlines():
+            made = re.search(r"%(\S+) = \w+(\[[\d,]+\])\S* ([\w-]+)\(", line)
+            if made and made[2] in kernel_shapes:
+                name, op = made[1], made[3]
+                moves = op in ("copy", "transpose") or (
+                    op == "fusion" and ("copy" in name or "transpose" in name))
+                assert not moves, line
+    trainer = policy.maxtext_tree(world.params)["decoder"]
+    served = engine.weights()["decoder"]
+    for layer in range(world.config.num_decoder_layers):
+        for name in MOE_UP_KERNELS:
+            np.testing.assert_array_equal(
+                served[f"layers_{layer}"]["moe_block"][name],
+                np.asarray(trainer["layers"]["moe_block"][name])[:, layer])
 
 
 @pytest.mark.parametrize("world", family_params("qwen3"), indirect=True)

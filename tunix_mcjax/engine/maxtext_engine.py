@@ -25,8 +25,11 @@ from tunix_mcjax.engine.jax_engine import (
     unflatten_tree,
 )
 from tunix_mcjax.engine.maxtext_model import (
+    MOE_UP_KERNELS,
     MaxTextPagedModel,
     decode_config,
+    expert_major,
+    expert_minor,
     local_mesh,
     param_specs,
     scan_plan,
@@ -54,6 +57,7 @@ class MaxTextEngine(JaxEngine):
         self.unstack = False  # set by _param_specs, once the replica meshes exist
         self.plan = None  # scan_plan of the trainer's tree, set by _param_specs
         self._models: dict[int, MaxTextPagedModel] = {}
+        self._minor_paths: set[LeafPath] = set()  # MoE up-kernels kept expert-minor on CPU
         self._context = (kwargs.get("max_prompt_length", 1), kwargs.get("max_new_tokens", 1))
         super().__init__(model_config, devices, **kwargs)
 
@@ -86,6 +90,9 @@ class MaxTextEngine(JaxEngine):
         self.unstack = self.plan is not None
         specs = param_specs(self._config(), self.meshes[0])
         self._keys = {path: keys for path, (keys, *_) in specs.items()}
+        if self.meshes[0].devices.flat[0].platform == "cpu":
+            self._minor_paths = {path for path, (_, shape, *_) in specs.items()
+                                  if path[-1] in MOE_UP_KERNELS and len(shape) == 3}
         return {path: _LeafSpec(shape, dtype, partition)
                 for path, (_, shape, dtype, partition) in specs.items()}
 
@@ -95,12 +102,24 @@ class MaxTextEngine(JaxEngine):
             params = unflatten_tree(unstack_layers(flatten_tree(params), self.plan,
                                                    self.model_config.param_scan_axis))
         super().load_weights(params)
+        moved = self._minor_paths & set(flatten_tree(params))
+        for replica_params in self._params:
+            for path in moved:
+                replica_params[path] = expert_minor(replica_params[path])
+
+    def weights(self, replica: int = 0) -> dict[str, Any]:
+        """The param tree replica `replica` decodes with, in MaxText's layout."""
+        return expert_major(self._tree(self._params[replica]), self._minor_keys())
+
+    def _minor_keys(self) -> set[tuple]:
+        return {self._keys[path] for path in self._minor_paths}
 
     def _decode_model(self, mesh: Mesh) -> MaxTextPagedModel:
         key = id(mesh)
         if key not in self._models:
             layout = layout_for(mesh.devices.flat[0].platform, mesh.devices.size)
-            self._models[key] = MaxTextPagedModel(self._config(), mesh, layout)
+            self._models[key] = MaxTextPagedModel(self._config(), mesh, layout,
+                                                  expert_minor=self._minor_keys())
         return self._models[key]
 
     def _page_bytes(self, tp: int) -> int:

@@ -316,6 +316,34 @@ def _layer_attention(attn: nnx.Module, slot: int, own_slot: bool) -> _LayerAtten
                            int(attn.num_kv_heads), int(attn.head_dim))
 
 
+# MoE up-projections [experts, embed, mlp]: MaxText's decode einsum "BSM,EMH->BSEH" contracts
+# the middle axis, so XLA's CPU dot copies the whole kernel to [embed, experts * mlp] at every
+# step. On CPU the engine stores them expert-minor ([embed, experts, mlp]) and the forward hands
+# MaxText a transposed view of them, which the dot reads as it lies.
+MOE_UP_KERNELS = ("wi_0", "wi_1")
+
+
+@jax.jit
+def expert_minor(kernel: jax.Array) -> jax.Array:
+    """[experts, embed, mlp] -> [embed, experts, mlp]."""
+    return jnp.moveaxis(kernel, 1, 0)
+
+
+def expert_major(params: dict, paths: set[tuple]) -> dict:
+    """`params` with the leaves at `paths` (stored [embed, experts, mlp]) viewed in MaxText's
+    [experts, embed, mlp]: inside the decode program the transpose is the dot's operand layout,
+    not a copy."""
+    if not paths:
+        return params
+
+    def view(node: Any, prefix: tuple) -> Any:
+        if not isinstance(node, dict):
+            return jnp.moveaxis(node, 0, 1) if prefix in paths else node
+        return {k: view(v, (*prefix, k)) for k, v in node.items()}
+
+    return view(params, ())
+
+
 class MaxTextPagedModel:
     """MaxText's model as the paged loop's `DecodeModel`: its training forward (MODEL_MODE_TRAIN,
     no cache variables, MaxText's own projections, norms, RoPE, MoE and output head), unscanned,
@@ -324,13 +352,15 @@ class MaxTextPagedModel:
     `layout`, with that layer's kv heads and head dim (Gemma4's global layers differ); kv heads
     split over "tensor" where they divide."""
 
-    def __init__(self, config: Any, mesh: Mesh, layout: Any):
+    def __init__(self, config: Any, mesh: Mesh, layout: Any, *,
+                 expert_minor: set[tuple] = frozenset()):
         from maxtext.common.common_types import MODEL_MODE_TRAIN
 
         if config.scan_layers:
             raise ValueError("the paged maxtext engine decodes an unscanned model "
                              "(scan_layers=false; a uniform stack is unstacked for it)")
         self.config, self.mesh, self.layout, self.mode = config, mesh, layout, MODEL_MODE_TRAIN
+        self.expert_minor = expert_minor  # param keys stored [embed, experts, mlp]
         self._pool_makers: dict[tuple[int, int], Any] = {}
         self.rules = config.logical_axis_rules
         model = abstract_model(config, mesh, MODEL_MODE_TRAIN)
@@ -380,7 +410,7 @@ class MaxTextPagedModel:
 
     def forward(self, params: Any, pool: list[Any], rows: Any) -> tuple[jax.Array, list[Any]]:
         call = _PagedCall(self.layout, pool, rows)
-        model = nnx.merge(self.graph, params, copy=True)
+        model = nnx.merge(self.graph, expert_major(params, self.expert_minor), copy=True)
         for (_, attn), layer in zip(attention_layers(model), self.layers, strict=True):
             attn.attention_op = PagedAttentionOp(call, layer.slot, layer.writes, layer.window,
                                                  layer.soft_cap)
