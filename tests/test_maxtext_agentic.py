@@ -87,6 +87,18 @@ def test_agentic_combinations_the_runtime_cannot_run_are_refused(overrides, matc
         checked_config(argv(*overrides), {}, num_hosts=1)
 
 
+def test_agentic_recipe_keys_land_in_config(tmp_path):
+    lines = (REPO / "recipes/maxtext/cpu/qwen3_tiny_agentic.args").read_text().splitlines()
+    args = [s.strip() for s in lines if s.strip() and not s.startswith("#")]
+    _, cfg, not_applied = checked_config(
+        ["", f"{MAXTEXT_CONFIGS_DIR}/post_train/rl.yml", *args,
+         f"base_output_directory={tmp_path}"], {}, num_hosts=2)
+    assert not_applied == {}
+    assert (cfg.use_agentic_rollout, cfg.epsilon_high, cfg.off_policy_steps,
+            cfg.max_concurrency, cfg.agentic_max_turn_tokens) == (True, 0.28, 1, 8, 4)
+    assert cfg.agentic_environment == "tunix_mcjax.agentic.demo:lookup_conversation"
+
+
 class OneTokenEngine(Engine):
     """Answers every context with token `answer` and stops (finish reason eos)."""
 
