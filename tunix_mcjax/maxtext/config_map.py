@@ -8,6 +8,8 @@ model's YAML) falls in one of four groups:
 - DERIVED: computed by MaxText from honoured keys;
 - NOT_APPLICABLE: settings of the machinery rl_runtime=mcjax replaces (Pathways, vLLM, Tunix's
   RL cluster); they are listed in the run's log and in `maxtext_adapter.json`;
+- MaxText's agentic keys (AGENTIC_KEYS) are honoured with rl.use_agentic_rollout=true only, as
+  MaxText reads them (`check_agentic`);
 - anything else is REFUSED by name, before any model is built. `REFUSED` gives the reason and
   the fix for the keys users are likely to set; other keys get a generic message.
 """
