@@ -48,10 +48,12 @@ class AgenticRollouts(RolloutPhases):
     """`RolloutPhases` whose generate phase is the turn loop (`loop.run_turns`)."""
 
     def __init__(self, cfg: Config, prompts: Prompts, engine: Engine, num_hosts: int,
-                 host: int):
+                 host: int, parser: ChatParser | None = None):
+        """`parser`: renders the conversations (None: `data_template_path`'s ChatParser)."""
         super().__init__(cfg, prompts, engine, num_hosts, host)
         self.factory = resolve_factory(cfg.agentic_environment)
-        self.parser = ChatParser(prompts.tokenizer, load_chat_template(cfg.data_template_path))
+        self.parser = parser or ChatParser(prompts.tokenizer,
+                                           load_chat_template(cfg.data_template_path))
         self.limits = TurnLimits(cfg.max_target_length, cfg.agentic_turn_tokens,
                                  cfg.agentic_tool_timeout_s, cfg.max_concurrency)
 

@@ -4,7 +4,9 @@ MaxText's `train_rl.main` (patched, see patches/maxtext/0002) hands the run to t
 `mcjax` of the `maxtext.rl_runtimes` group, `main` below, before any JAX backend exists. On every
 host: `jax.distributed` first, then MaxText's RL config, checked key by key (`config_map`), then
 MaxText's model as the trainer's policy (`policy`), MaxText's data and rewards (`data`), and the
-colocated step loop with a per-host engine decoding the same weights as Tunix Qwen3.
+colocated step loop with a per-host engine decoding the same weights as Tunix Qwen3. With
+`rl.use_agentic_rollout=true` the rollouts are multi-turn (`agentic`): MaxText's chat parser
+renders the conversations of each host's agents and environments.
 """
 
 from __future__ import annotations
@@ -91,14 +93,16 @@ def checked_config(argv: Sequence[str], kwargs: dict,
 
     config_map.refuse_lora(argv, kwargs)
     argv, kwargs, engine = config_map.pop_rollout_engine(argv, kwargs)
+    argv, kwargs, agentic = config_map.pop_agentic_keys(argv, kwargs)
     config, default = load_maxtext_config(argv, kwargs)
     engine = engine or config_map.rollout_engine_for(config)
     changed = config_map.changed_keys(config, default)
     not_applied = config_map.check_keys(changed, engine)
+    config_map.check_agentic(changed, agentic)
     config_map.check_model(config, engine)
     tokenizer_path = data.resolve_tokenizer_path(config.tokenizer_path)
     return config, config_map.to_config(config, num_hosts, tokenizer_path, changed,
-                                        engine), not_applied
+                                        engine, agentic), not_applied
 
 
 def run(argv: Sequence[str], kwargs: dict, topo: topology.Topology) -> dict | None:
@@ -126,7 +130,7 @@ def build_components(config: Any, tokenizer: Any, topo: topology.Topology,
     components, for `engine` (None: the model's default engine)."""
     from maxtext.trainers.post_train.rl import utils_rl
 
-    from tunix_mcjax.maxtext import data, policy
+    from tunix_mcjax.maxtext import agentic, data, policy
     from tunix_mcjax.maxtext.evaluation import MaxTextEvaluator
     from tunix_mcjax.runtime.colocated import Components
 
@@ -138,7 +142,9 @@ def build_components(config: Any, tokenizer: Any, topo: topology.Topology,
     trainer_policy, params = policy.maxtext_policy(model, config, engine)
     return Components(tokenizer=tokenizer, task=task, mesh=mesh, policy=trainer_policy,
                       params=params, engine_model_config=policy.engine_model_config(config, engine),
-                      optimizer=utils_rl.get_optimizer(config), evaluator=evaluator)
+                      optimizer=utils_rl.get_optimizer(config), evaluator=evaluator,
+                      chat_parser=agentic.chat_parser(config, tokenizer)
+                      if config.rl.use_agentic_rollout else None)
 
 
 def _log_start(config: Any, cfg: Config, not_applied: dict[str, Any]) -> None:

@@ -8,6 +8,8 @@ model's YAML) falls in one of four groups:
 - DERIVED: computed by MaxText from honoured keys;
 - NOT_APPLICABLE: settings of the machinery rl_runtime=mcjax replaces (Pathways, vLLM, Tunix's
   RL cluster); they are listed in the run's log and in `maxtext_adapter.json`;
+- MaxText's agentic keys (AGENTIC_KEYS) are honoured with rl.use_agentic_rollout=true only, as
+  MaxText reads them (`check_agentic`);
 - anything else is REFUSED by name, before any model is built. `REFUSED` gives the reason and
   the fix for the keys users are likely to set; other keys get a generic message.
 """
@@ -19,7 +21,19 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from tunix_mcjax.config import PAGED_ENGINES, Config, ConfigError, load_config
+from tunix_mcjax.config import PAGED_ENGINES, Config, ConfigError, load_config, parse_overrides
+
+# MaxText's agentic keys (read by its learner only with rl.use_agentic_rollout=true) -> ours.
+AGENTIC_KEYS: dict[str, str] = {
+    "rl.use_agentic_rollout": "use_agentic_rollout (multi-turn rollouts, tunix_mcjax.agentic)",
+    "rl.epsilon_high": "epsilon_high (clip-higher; null: grpo_epsilon)",
+    "rl.off_policy_steps": "off_policy_steps: a staleness bound; colocated rollouts are 0 "
+                           "updates stale, so every value holds",
+    "rl.max_concurrency": "max_concurrency (conversations of a host per engine call)",
+    "rl.system_prompt": "system_prompt (the agent's)",
+    "rl.use_rollout_logps": "use_rollout_logps (the ratio's old logps: the engine's)",
+    "rl.force_on_policy_ratio": "force_on_policy_ratio (ratio pinned to 1)",
+}
 
 # MaxText key -> where it lands. `rl.<key>` is read from the nested `config.rl`.
 HONOURED: dict[str, str] = {
@@ -60,6 +74,9 @@ HONOURED: dict[str, str] = {
     "rl.loss_algo": "loss_algo (grpo, gspo-token)",
     "rl.loss_agg_mode": "loss_agg_mode",
     "rl.num_iterations": "num_iterations (updates per batch; train_steps counts updates)",
+    # Agentic rollouts (MaxText hands them to Tunix's agentic learner; here: tunix_mcjax.agentic
+    # on each host's engine, the conversations built by `maxtext.agentic`).
+    **AGENTIC_KEYS,
     # Data: MaxText's pipeline (train_rl.prepare_datasets) and prompt template.
     "dataset_name": "MaxText's data pipeline",
     "hf_train_files": "MaxText's data pipeline",
@@ -235,16 +252,54 @@ VLLM_ENGINE_KEYS: dict[str, str] = {
 ROLLOUT_ENGINE_KEY = "rollout_engine"
 
 
+def _pop_key(argv: Sequence[str], kwargs: dict, key: str
+             ) -> tuple[list[str], dict, str | None]:
+    """(argv, kwargs) without `key=...`, and its last value (None if unset)."""
+    prefix = f"{key}="
+    values = [a[len(prefix):] for a in argv if a.startswith(prefix)]
+    kwargs = dict(kwargs)
+    if key in kwargs:
+        values.append(str(kwargs.pop(key)))
+    return [a for a in argv if not a.startswith(prefix)], kwargs, (values[-1] if values else None)
+
+
 def pop_rollout_engine(argv: Sequence[str], kwargs: dict
                        ) -> tuple[list[str], dict, str | None]:
     """(argv, kwargs) without `rollout_engine=...`, and its value (None if unset: then the
     adapter picks the engine by model, `rollout_engine_for`)."""
-    prefix = f"{ROLLOUT_ENGINE_KEY}="
-    values = [a[len(prefix):] for a in argv if a.startswith(prefix)]
-    kwargs = dict(kwargs)
-    if ROLLOUT_ENGINE_KEY in kwargs:
-        values.append(str(kwargs.pop(ROLLOUT_ENGINE_KEY)))
-    return [a for a in argv if not a.startswith(prefix)], kwargs, (values[-1] if values else None)
+    return _pop_key(argv, kwargs, ROLLOUT_ENGINE_KEY)
+
+
+# Our agentic keys that MaxText has none for, given on train_rl's command line and read by this
+# adapter: the conversation's agent and environment (default: MaxText's own, a ModelAgent and a
+# TaskEnvironment, `maxtext.agentic.task_conversation`), one turn's tokens, the tools' budget.
+DEFAULT_ENVIRONMENT = "tunix_mcjax.maxtext.agentic:task_conversation"
+AGENTIC_ADAPTER_KEYS = ("agentic_environment", "agentic_max_turn_tokens",
+                        "agentic_tool_timeout_s")
+
+
+def pop_agentic_keys(argv: Sequence[str], kwargs: dict
+                     ) -> tuple[list[str], dict, dict[str, Any]]:
+    """(argv, kwargs) without `AGENTIC_ADAPTER_KEYS`, and the values given for them (parsed
+    as YAML scalars, as MaxText parses its own)."""
+    argv, found = list(argv), []
+    for key in AGENTIC_ADAPTER_KEYS:
+        argv, kwargs, value = _pop_key(argv, kwargs, key)
+        if value is not None:
+            found.append(f"{key}={value}")
+    return argv, kwargs, parse_overrides(found)
+
+
+def check_agentic(changed: dict[str, Any], adapter_keys: dict[str, Any]) -> None:
+    """Raises ConfigError for agentic keys set without rl.use_agentic_rollout=true: MaxText's
+    standard learner never reads them, so a run here would not honour them either."""
+    if changed.get("rl.use_agentic_rollout"):
+        return
+    keys = [k for k in AGENTIC_KEYS if k in changed] + list(adapter_keys)
+    if keys:
+        raise ConfigError(
+            f"{', '.join(keys)}: MaxText reads these only with rl.use_agentic_rollout=true (its "
+            "agentic learner); set rl.use_agentic_rollout=true, or drop them")
 
 
 # LoRA: MaxText's RL config has no LoRA keys (its SFT's `lora.*` section, or ours).
@@ -276,14 +331,8 @@ def vllm_values(config: Any) -> dict[str, Any]:
 
 # Keys users are likely to set that this runtime cannot honour yet: why, and what to do.
 REFUSED: dict[str, str] = {
-    "rl.use_agentic_rollout": "MaxText's agentic path (its chat parser, Tunix's ModelAgent and "
-                              "TaskEnvironment) is not mapped onto this runtime's agentic "
-                              "rollouts yet; they run from tunix_mcjax.launch "
-                              "(use_agentic_rollout=true, docs/agentic.md)",
-    "rl.epsilon_high": "MaxText passes it only to its agentic learner (rl.use_agentic_rollout, "
-                       "not mapped yet); tunix_mcjax.launch honours epsilon_high",
-    "rl.off_policy_steps": "MaxText passes it only to its agentic learner "
-                           "(rl.use_agentic_rollout, not mapped yet)",
+    "rl.log_sampler_trainer_agreement": "no extra trainer forward to compare sampler and "
+                                        "trainer logps yet",
     "stop_strings": "the engine stops on the EOS token only",
     "adam_eps": "MaxText's RL optimizer (utils_rl.get_optimizer) does not pass adam_eps to "
                 "AdamW, so neither runtime would use it",
@@ -393,6 +442,21 @@ def per_host_data_parallelism(global_dp: int, num_hosts: int) -> int:
     return global_dp // num_hosts
 
 
+def agentic_values(rl: Any, adapter_keys: dict[str, Any]) -> dict[str, Any]:
+    """Our agentic keys from MaxText's `rl.*` (and the adapter's own keys, as given)."""
+    return {
+        "use_agentic_rollout": True,
+        "epsilon_high": -1.0 if rl.epsilon_high is None else rl.epsilon_high,
+        "off_policy_steps": rl.off_policy_steps,
+        "max_concurrency": rl.max_concurrency,
+        "system_prompt": rl.system_prompt,
+        "use_rollout_logps": rl.use_rollout_logps,
+        "force_on_policy_ratio": rl.force_on_policy_ratio,
+        "agentic_environment": DEFAULT_ENVIRONMENT,
+        **adapter_keys,
+    }
+
+
 def _value(value: Any) -> Any:
     """An enum member's value (MaxText's DType, ProfilerType, ...), other values as they are."""
     return getattr(value, "value", value)
@@ -403,12 +467,13 @@ def _dtype(value: Any) -> str:
 
 
 def to_config(config: Any, num_hosts: int, tokenizer_path: str,
-              changed: dict[str, Any] | None = None, rollout_engine: str | None = None) -> Config:
+              changed: dict[str, Any] | None = None, rollout_engine: str | None = None,
+              agentic: dict[str, Any] | None = None) -> Config:
     """Our Config from MaxText's (already checked with `check_keys` and `check_model`).
     `changed`: the keys set away from MaxText's defaults; a vLLM key with an equivalent here
     (`VLLM_KEYS`) sets it only when changed. Under rollout_engine=vllm the engine takes
     MaxText's vLLM settings as they are (`VLLM_ENGINE_KEYS`). `rollout_engine` None: the
-    model's engine (`rollout_engine_for`)."""
+    model's engine (`rollout_engine_for`). `agentic`: the `AGENTIC_ADAPTER_KEYS` given."""
     rl = config.rl
     values = {
         "rl_runtime": "mcjax",
@@ -474,6 +539,8 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str,
         "profiler_steps": config.profiler_steps,
         "enable_tensorboard": config.enable_tensorboard,
     }
+    if rl.use_agentic_rollout:
+        values.update(agentic_values(rl, agentic or {}))
     values.update({target: changed[key] for key, target in VLLM_KEYS.items()
                    if target is not None and key in (changed or {})})
     values["rollout_engine"] = rollout_engine = rollout_engine or rollout_engine_for(config)

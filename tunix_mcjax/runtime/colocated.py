@@ -47,12 +47,14 @@ class ColocatedRuntime:
                                    tx=parts.optimizer)
         self.engine = engine_factory(cfg, parts.engine_model_config, list(topo.local_devices),
                                      self.prompts.pad_id, self.prompts.eos_ids)
-        rollouts = phases.RolloutPhases
         if cfg.use_agentic_rollout:
             from tunix_mcjax.agentic.phases import AgenticRollouts
 
-            rollouts = AgenticRollouts
-        self.rollouts = rollouts(cfg, self.prompts, self.engine, topo.num_hosts, topo.host)
+            self.rollouts = AgenticRollouts(cfg, self.prompts, self.engine, topo.num_hosts,
+                                            topo.host, parser=parts.chat_parser)
+        else:
+            self.rollouts = phases.RolloutPhases(cfg, self.prompts, self.engine, topo.num_hosts,
+                                                 topo.host)
         self.train = phases.TrainPhase(self.trainer, self.watchdog, cfg.num_iterations)
         self.publisher = Publisher(parts.mesh, cfg.rl_publish_weights_single_call)
         self.evaluation = evaluation.EvalSchedule(cfg, parts.evaluator, topo, self.watchdog)

@@ -29,6 +29,7 @@ class Components:
     engine_model_config: Any  # the engine's: Tunix Qwen3 ModelConfig (jax), MaxText's (maxtext)
     optimizer: Any = None  # an optax transformation; None: `trainer.make_optimizer(cfg)`
     evaluator: Any = None  # a runtime.evaluation.Evaluator; needed when num_test_batches > 0
+    chat_parser: Any = None  # agentic runs: `agentic.parsers.ChatParser`'s interface; None: ours
 
 
 def default_components(cfg: Config, topo: topology.Topology, tokenizer, task: Task
