@@ -115,6 +115,7 @@ def abort(message: str, exit_code: int = ABORT_EXIT_CODE) -> None:
               file=sys.stderr, flush=True)
         os._exit(exit_code)
     print(message, file=sys.stderr, flush=True)
+    _posted_abort.set()  # this host's own message is not another host's failure
     client = _client()
     if client is not None:
         try:
@@ -126,15 +127,19 @@ def abort(message: str, exit_code: int = ABORT_EXIT_CODE) -> None:
     os._exit(exit_code)
 
 
-def peer_abort() -> str | None:
-    """Another host's `abort` message, if one was posted."""
+_posted_abort = threading.Event()
+
+
+def peer_abort(lost_contact_fails: bool = True) -> str | None:
+    """Another host's `abort` message, if one was posted; with `lost_contact_fails`, also an
+    unreachable coordination service (between phases it may just have ended with the run)."""
     client = _client()
     if client is None:
         return None
     try:
         return client.key_value_try_get(_ABORT_KEY)
     except Exception as e:
-        if "NOT_FOUND" in str(e):
+        if "NOT_FOUND" in str(e) or not lost_contact_fails:
             return None
         return f"lost contact with the coordination service: {e}"
 
@@ -160,7 +165,7 @@ def install_single_process_sigterm() -> None:
 
 class Watchdog:
     """Ends the process if a guarded cross-host phase outlives its deadline, or as soon as
-    another host has posted an `abort` while this one waits in a guarded phase."""
+    another host has posted an `abort` (checked about every second, in a phase or not)."""
 
     def __init__(self, host: int, timeout_s: float, compile_timeout_s: float | None = None):
         if timeout_s <= 0:
@@ -193,10 +198,13 @@ class Watchdog:
                 waiting = self._deadline is not None
                 late = waiting and time.monotonic() > self._deadline
                 phase, budget, key = self._phase, self._budget, self._key
-            peer = peer_abort() if waiting else None
+            # Between phases too (setup, compiles): a host that failed there may be gone, and
+            # its launcher stopping this one, before this host reaches a cross-host wait.
+            peer = None if _posted_abort.is_set() else peer_abort(lost_contact_fails=waiting)
             if peer is not None:
-                print(f"host {self.host}: stopping in phase {phase!r} because another host "
-                      f"failed: {peer}", file=sys.stderr, flush=True)
+                where = f"in phase {phase!r}" if waiting else "between phases"
+                print(f"host {self.host}: stopping {where} because another host failed: {peer}",
+                      file=sys.stderr, flush=True)
                 time.sleep(2 * _ABORT_LINGER_S)  # let the failing host exit first, cleanly
                 os._exit(ABORT_EXIT_CODE)
             if late:
