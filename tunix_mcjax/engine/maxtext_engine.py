@@ -103,9 +103,10 @@ class MaxTextEngine(JaxEngine):
                                                    self.model_config.param_scan_axis))
         super().load_weights(params)
         moved = self._minor_paths & set(flatten_tree(params))
-        for replica_params in self._params:
-            for path in moved:
-                replica_params[path] = expert_minor(replica_params[path])
+        for mesh, replica_params in zip(self.meshes, self._params, strict=True):
+            with jax.set_mesh(mesh):  # not the trainer's mesh a publish may run under
+                for path in moved:
+                    replica_params[path] = expert_minor(replica_params[path])
 
     def weights(self, replica: int = 0) -> dict[str, Any]:
         """The param tree replica `replica` decodes with, in MaxText's layout."""
