@@ -4,8 +4,9 @@ XLA's CPU client allocates buffers with malloc. glibc serves a buffer below its 
 (which rises to the largest chunk freed so far, up to 32 MiB) from the heap, and a freed heap
 chunk stays resident: a page pool of per-layer arrays, given back after a rollout, would still
 count in the train step's resident set. `trim` returns such free heap memory to the system
-after a large free. A trim walks the whole heap (about 10 ms a call in the demo, a third of its
-generate), so a small pool, whose residue is noise beside the process, is left to the heap. On
+after a large free. A trim walks the whole heap (in one demo run it added about 12 ms to each
+0.02 s generate), so a small pool, whose residue is noise beside the process, is left to the
+heap. On
 accelerators the pool lives in device memory and nothing is done.
 """
 

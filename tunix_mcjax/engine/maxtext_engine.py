@@ -58,6 +58,7 @@ class MaxTextEngine(JaxEngine):
         self.plan = None  # scan_plan of the trainer's tree, set by _param_specs
         self._models: dict[int, MaxTextPagedModel] = {}
         self._minor_paths: set[LeafPath] = set()  # MoE up-kernels kept expert-minor on CPU
+        self._minor_keys: set[tuple] = set()  # the same, as MaxText's param keys
         self._context = (kwargs.get("max_prompt_length", 1), kwargs.get("max_new_tokens", 1))
         super().__init__(model_config, devices, **kwargs)
 
@@ -93,6 +94,7 @@ class MaxTextEngine(JaxEngine):
         if self.meshes[0].devices.flat[0].platform == "cpu":
             self._minor_paths = {path for path, (_, shape, *_) in specs.items()
                                   if path[-1] in MOE_UP_KERNELS and len(shape) == 3}
+            self._minor_keys = {self._keys[path] for path in self._minor_paths}
         return {path: _LeafSpec(shape, dtype, partition)
                 for path, (_, shape, dtype, partition) in specs.items()}
 
@@ -110,17 +112,14 @@ class MaxTextEngine(JaxEngine):
 
     def weights(self, replica: int = 0) -> dict[str, Any]:
         """The param tree replica `replica` decodes with, in MaxText's layout."""
-        return expert_major(self._tree(self._params[replica]), self._minor_keys())
-
-    def _minor_keys(self) -> set[tuple]:
-        return {self._keys[path] for path in self._minor_paths}
+        return expert_major(self._tree(self._params[replica]), self._minor_keys)
 
     def _decode_model(self, mesh: Mesh) -> MaxTextPagedModel:
         key = id(mesh)
         if key not in self._models:
             layout = layout_for(mesh.devices.flat[0].platform, mesh.devices.size)
             self._models[key] = MaxTextPagedModel(self._config(), mesh, layout,
-                                                  expert_minor=self._minor_keys())
+                                                  expert_minor_keys=self._minor_keys)
         return self._models[key]
 
     def _page_bytes(self, tp: int) -> int:

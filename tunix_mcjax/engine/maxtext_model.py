@@ -353,14 +353,14 @@ class MaxTextPagedModel:
     split over "tensor" where they divide."""
 
     def __init__(self, config: Any, mesh: Mesh, layout: Any, *,
-                 expert_minor: set[tuple] = frozenset()):
+                 expert_minor_keys: set[tuple] = frozenset()):
         from maxtext.common.common_types import MODEL_MODE_TRAIN
 
         if config.scan_layers:
             raise ValueError("the paged maxtext engine decodes an unscanned model "
                              "(scan_layers=false; a uniform stack is unstacked for it)")
         self.config, self.mesh, self.layout, self.mode = config, mesh, layout, MODEL_MODE_TRAIN
-        self.expert_minor = expert_minor  # param keys stored [embed, experts, mlp]
+        self.expert_minor_keys = expert_minor_keys  # params stored [embed, experts, mlp]
         self._pool_makers: dict[tuple[int, int], Any] = {}
         self.rules = config.logical_axis_rules
         model = abstract_model(config, mesh, MODEL_MODE_TRAIN)
@@ -410,7 +410,7 @@ class MaxTextPagedModel:
 
     def forward(self, params: Any, pool: list[Any], rows: Any) -> tuple[jax.Array, list[Any]]:
         call = _PagedCall(self.layout, pool, rows)
-        model = nnx.merge(self.graph, expert_major(params, self.expert_minor), copy=True)
+        model = nnx.merge(self.graph, expert_major(params, self.expert_minor_keys), copy=True)
         for (_, attn), layer in zip(attention_layers(model), self.layers, strict=True):
             attn.attention_op = PagedAttentionOp(call, layer.slot, layer.writes, layer.window,
                                                  layer.soft_cap)
