@@ -1,10 +1,11 @@
-"""rl_runtime=mcjax_da joining a real multi-node Ray cluster: four raylets on this machine, each
+"""rl_runtime=mcjax_da joining a real multi-node Ray cluster: raylets on this machine, each
 offering one host unit, as `ray start --resources='{"mcjax_host": 1}'` nodes would.
 
-The launcher joins it through RAY_ADDRESS and takes every host it offers (no --hosts): two
-trainer nodes (one jax.distributed group, its coordinator on the first trainer's node address)
-and two rollout nodes, one actor per node. Then (last, as it takes a node away) a killed
-raylet ends a run, naming the actor it held.
+The launcher joins it through RAY_ADDRESS and takes every host it offers (no --hosts). On three
+nodes: one trainer and two rollout actors. A fourth node joins, then: two trainer nodes (one
+jax.distributed group, its coordinator on the first trainer's node address) and two rollout
+nodes, one actor per node. Last, as it takes a node away, a killed raylet ends a run, naming the
+actor it held.
 """
 
 from __future__ import annotations
@@ -25,56 +26,84 @@ from tunix_mcjax.config import load_config
 from tunix_mcjax.runtime import disaggregated
 from tunix_mcjax.runtime.ray_cluster import HOST_RESOURCE, ActorFailed
 
-NODES = 4
+NODE_ARGS = {"num_cpus": 1, "resources": {HOST_RESOURCE: 1}, "object_store_memory": 96 << 20}
 
 
 @pytest.fixture(scope="module")
 def ray_nodes():
-    """(cluster address, node ids): a head and three worker raylets, one host unit each."""
-    node_args = {"num_cpus": 1, "resources": {HOST_RESOURCE: 1},
-                 "object_store_memory": 96 << 20}
-    cluster = Cluster(initialize_head=True, head_node_args={**node_args,
+    """(cluster, {node id: node}): a head and two worker raylets, one host unit each; the
+    `four_nodes` fixture adds a third worker."""
+    cluster = Cluster(initialize_head=True, head_node_args={**NODE_ARGS,
                                                            "include_dashboard": False})
-    nodes = [cluster.head_node] + [cluster.add_node(**node_args) for _ in range(NODES - 1)]
+    nodes = {n.node_id: n for n in [cluster.head_node] + [cluster.add_node(**NODE_ARGS)
+                                                          for _ in range(2)]}
     cluster.wait_for_nodes()
-    yield cluster, {n.node_id: n for n in nodes}
+    yield cluster, nodes
     cluster.shutdown()
 
 
-def test_demo_across_four_nodes_one_actor_each_staleness_one_reward_rises(tmp_path, ray_nodes):
-    address, node_ids = ray_nodes[0].address, set(ray_nodes[1])
+@pytest.fixture(scope="module")
+def four_nodes(ray_nodes):
+    """`ray_nodes` with a third worker raylet joined."""
+    cluster, nodes = ray_nodes
+    node = cluster.add_node(**NODE_ARGS)
+    nodes[node.node_id] = node
+    cluster.wait_for_nodes()
+    return cluster, nodes
+
+
+def run_demo(address: str, tmp_path, fraction: float) -> tuple[dict, list[dict]]:
+    """The launcher on the cluster at `address`, taking every host it offers (no --hosts):
+    the demo for 10 steps; (summary, step records)."""
     proc = subprocess.run(
         [sys.executable, "-m", "tunix_mcjax.launch", "--devices-per-host", "1",
-         "recipes/cpu/demo.yml", "rl_runtime=mcjax_da", "rl_trainer_hosts_fraction=0.5",
+         "recipes/cpu/demo.yml", "rl_runtime=mcjax_da", f"rl_trainer_hosts_fraction={fraction}",
          "steps=10", f"base_output_directory={tmp_path}"],
         cwd=REPO, capture_output=True, text=True, timeout=500,
         env={**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": address})
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    summary = json.loads((tmp_path / "demo" / "summary.json").read_text())
-    records = read_jsonl(tmp_path / "demo" / "steps.jsonl")
-    assert summary["hosts"] == NODES and summary["steps"] == 10
-    assert summary["trainer_hosts"] == summary["rollout_hosts"] == 2
-    # One actor per node, every node of the cluster used.
-    assert sorted(summary["actor_nodes"]) == ["rollout-0", "rollout-1", "trainer-0", "trainer-1"]
+    return (json.loads((tmp_path / "demo" / "summary.json").read_text()),
+            read_jsonl(tmp_path / "demo" / "steps.jsonl"))
+
+
+def check_demo(summary: dict, records: list[dict], node_ids: set[str], trainers: int) -> None:
+    """One actor per node, every node used, staleness exactly 1 from step 1, reward rising."""
+    rollouts = len(node_ids) - trainers
+    assert summary["hosts"] == len(node_ids) and summary["steps"] == 10
+    assert (summary["trainer_hosts"], summary["rollout_hosts"]) == (trainers, rollouts)
+    assert sorted(summary["actor_nodes"]) == sorted(
+        [f"rollout-{r}" for r in range(rollouts)] + [f"trainer-{t}" for t in range(trainers)])
     assert set(summary["actor_nodes"].values()) == node_ids
     for r in records:
-        assert len(set(r["trainer_nodes"] + r["rollout_nodes"])) == NODES
-        assert r["trainer_processes"] == 2
-        assert r["staleness"] == ([0, 0] if r["step"] == 0 else [1, 1])
+        assert len(set(r["trainer_nodes"] + r["rollout_nodes"])) == len(node_ids)
+        assert r["trainer_processes"] == trainers
+        assert r["staleness"] == ([0] * rollouts if r["step"] == 0 else [1] * rollouts)
     reward = [r["reward_mean"] for r in records]
     print("reward by step:", np.round(reward, 3).tolist())
     assert np.mean(reward[-3:]) > np.mean(reward[:3])
     assert np.polyfit(np.arange(10), reward, 1)[0] > 0
 
 
-@pytest.mark.slow  # about 65 s; the 4-node demo above stays in the default suite
-def test_a_killed_rollout_raylet_ends_the_run_named_within_60s(tmp_path, ray_nodes):
+def test_demo_across_three_nodes_one_trainer_two_rollouts(tmp_path, ray_nodes):
+    """1 trainer node and 2 rollout nodes: a share that is not one of the paper's splits."""
     cluster, nodes = ray_nodes
+    check_demo(*run_demo(cluster.address, tmp_path, 0.33), set(nodes), trainers=1)
+
+
+def test_demo_across_four_nodes_one_actor_each_staleness_one_reward_rises(tmp_path, four_nodes):
+    """Two trainer nodes: one jax.distributed group, its coordinator on a node address."""
+    cluster, nodes = four_nodes
+    check_demo(*run_demo(cluster.address, tmp_path, 0.5), set(nodes), trainers=2)
+
+
+@pytest.mark.slow  # about 65 s; the 4-node demo above stays in the default suite
+def test_a_killed_rollout_raylet_ends_the_run_named_within_60s(tmp_path, four_nodes):
+    cluster, nodes = four_nodes
     ray.init(address=cluster.address, configure_logging=False)
     try:
         cfg = load_config(None, [*TINY, "batch_size=4", "num_generations=4", "steps=8",
                                  "rl_runtime=mcjax_da", f"base_output_directory={tmp_path}"])
-        actors = disaggregated.Cluster.start(cfg, hosts=NODES, devices_per_host=1)
+        actors = disaggregated.Cluster.start(cfg, hosts=len(nodes), devices_per_host=1)
         try:
             steps = disaggregated.training_steps(cfg, actors)
             victim = next(steps)["rollout_nodes"][1]

@@ -197,8 +197,10 @@ def test_dead_rollout_restarted_once_then_ends_the_run_within_60s(tmp_path):
 
 
 @pytest.mark.parametrize(("overrides", "hosts", "message"), [
-    (["rl_trainer_hosts_fraction=0.3"], 2, "not one of the paper's splits"),
+    (["rl_trainer_hosts_fraction=1.0"], 2, "must be between 0 and 1"),
+    (["rl_trainer_hosts_fraction=0.3"], 3, r"0.9 trainer hosts.*Use 0.3333 \(1 of 3\)"),
     (["rl_trainer_hosts_fraction=0.25"], 2, "0.5 trainer hosts"),
+    ([], 1, "needs at least 2 hosts"),
     (["rl_trainer_hosts_fraction=0.125", "batch_size=4"], 8, "without a prompt"),
     (["rl_trainer_hosts_fraction=0.25", "rl_balance_prompts_by_length=true"], 4,
      "does not divide by the 3 rollout"),

@@ -21,7 +21,8 @@ PAGED_ENGINES = ("jax", "maxtext", "vllm")
 KV_POOL_KEYS = ("hbm_utilization_vllm", "max_num_batched_tokens", "vllm_block_size",
                 "enable_prefix_caching")
 DA_KEYS = keys_of(Disaggregated)
-DA_SPLITS = (0.5, 0.25, 0.125)
+DA_SPLITS = (0.5, 0.25, 0.125)  # the paper's; any share that makes whole hosts runs
+SPLIT_TOLERANCE = 0.05  # hosts: 0.33 of 3 hosts is 1 trainer host
 # What rl_runtime=mcjax_da does not do (yet), with the fix.
 DA_REFUSED = {
     "num_test_batches": "evaluation runs in the colocated runtime only",
@@ -93,9 +94,10 @@ def _disaggregated(cfg: Config) -> None:
             raise ConfigError(f"{', '.join(keys)} configure rl_runtime=mcjax_da, but "
                               f"rl_runtime={cfg.rl_runtime}: set rl_runtime=mcjax_da or drop them")
         return
-    if cfg.rl_trainer_hosts_fraction not in DA_SPLITS:
-        raise ConfigError(f"rl_trainer_hosts_fraction={cfg.rl_trainer_hosts_fraction} is not one "
-                          f"of the paper's splits {', '.join(map(str, DA_SPLITS))}")
+    if not 0 < cfg.rl_trainer_hosts_fraction < 1:
+        raise ConfigError(f"rl_trainer_hosts_fraction={cfg.rl_trainer_hosts_fraction} must be "
+                          f"between 0 and 1 (the paper's splits: "
+                          f"{', '.join(map(str, DA_SPLITS))})")
     if refused := changed(cfg, DA_REFUSED):
         raise ConfigError("rl_runtime=mcjax_da cannot honour "
                           + "; ".join(f"{k} ({DA_REFUSED[k]})" for k in refused)
@@ -179,14 +181,19 @@ def _evaluation_and_profiler(cfg: Config) -> None:
 
 def disaggregated_split(cfg: Config, num_hosts: int) -> tuple[int, int]:
     """(trainer hosts, rollout hosts) of `num_hosts` under rl_runtime=mcjax_da."""
-    trainers = cfg.rl_trainer_hosts_fraction * num_hosts
-    if trainers < 1 or trainers != int(trainers) or num_hosts - trainers < 1:
+    if num_hosts < 2:
+        raise ConfigError("rl_runtime=mcjax_da needs at least 2 hosts (a trainer and a rollout "
+                          "host); use rl_runtime=mcjax on one host")
+    share = cfg.rl_trainer_hosts_fraction * num_hosts
+    trainers = round(share)
+    if abs(share - trainers) > SPLIT_TOLERANCE or not 1 <= trainers < num_hosts:
+        near = sorted({min(max(k, 1), num_hosts - 1) for k in (int(share), int(share) + 1)})
+        options = " or ".join(f"{k / num_hosts:.4g} ({k} of {num_hosts})" for k in near)
         raise ConfigError(
             f"rl_trainer_hosts_fraction={cfg.rl_trainer_hosts_fraction} of {num_hosts} hosts "
-            f"is {trainers:g} trainer hosts: it must be a whole number >= 1 that leaves a "
-            f"rollout host. Use --hosts {round(1 / cfg.rl_trainer_hosts_fraction)} or a "
-            "multiple of it.")
-    rollouts = num_hosts - int(trainers)
+            f"is {share:g} trainer hosts: it must be a whole number >= 1 that leaves a "
+            f"rollout host. Use {options}, or a host count it makes whole.")
+    rollouts = num_hosts - trainers
     if cfg.batch_size < rollouts:
         raise ConfigError(
             f"batch_size={cfg.batch_size} prompts per step leaves some of the {rollouts} "

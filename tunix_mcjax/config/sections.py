@@ -423,7 +423,8 @@ class Disaggregated:
 
     rl_trainer_hosts_fraction: float = key(
         0.5, "Share of the hosts that train; the rest generate, one step stale. The paper's "
-        "splits: 0.5, 0.25, 0.125.")
+        "splits: 0.5, 0.25, 0.125; any share that makes a whole number of hosts runs (0.33 of "
+        "3 hosts: 1).")
     rl_rollout_restarts: int = key(
         0, "Times each rollout actor may be restarted after it dies (its batch is regenerated); "
         "0: a dead rollout actor ends the run.", check=at_least(0), runtime_only=True)
