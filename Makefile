@@ -32,7 +32,7 @@ demo: $(VENV)/.patched
 	$(PY) -m tunix_mcjax.launch --hosts $(HOSTS) --devices-per-host $(DEVICES) recipes/cpu/demo.yml
 
 test: $(VENV)/.patched
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q --durations=25  # the slowest tests: the suite's time budget
 
 test-all: $(VENV)/.patched
 	$(PY) -m pytest -q -m ""
