@@ -13,7 +13,9 @@ Schedule:
 so batch t+1 is generated with v_t and applied to v_t+1: staleness is exactly one step from
 step 1 on (batch 0, the pipeline fill, is on-policy). Each batch carries its version and the
 trainer weights it by the engine's behaviour logprobs (off-policy loss). The step period is
-Eq. 4's max(rollout + weight load, train + publish).
+Eq. 4's max(rollout + weight load, train + publish). Evaluation keeps the colocated schedule
+(`evaluation.EvalSchedule`): the rollout actors score their shares with the last published
+version, after the batch they are generating, and the driver sums them.
 
 Faults: a dead trainer actor ends the run at once, named; a dead rollout actor too, unless
 `rl_rollout_restarts` allows a new one, which regenerates the lost batch with the same version
