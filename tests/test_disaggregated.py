@@ -138,7 +138,9 @@ def test_sigterm_saves_after_the_step_in_flight_exits_143_and_a_new_driver_resum
     last = int(saved[0])
     assert read_jsonl(tmp_path / "demo" / "steps.jsonl")[-1]["step"] == last
 
-    cfg = load_config(REPO / "recipes/cpu/demo.yml", [*keys, f"steps={last + 3}"])
+    # O2 on the resumed run: every actor freezes its GC after its first step, not at step 0.
+    cfg = load_config(REPO / "recipes/cpu/demo.yml", [*keys, f"steps={last + 3}",
+                                                      "rl_gc_freeze_after_warmup=true"])
     cluster = Cluster.start(cfg, hosts=2, devices_per_host=1)
     try:
         resumed = list(training_steps(cfg, cluster))
@@ -147,7 +149,34 @@ def test_sigterm_saves_after_the_step_in_flight_exits_143_and_a_new_driver_resum
     assert [r["step"] for r in resumed] == [last + 1, last + 2]
     assert [r["trained_on"] for r in resumed] == [last + 1, last + 2]
     assert [r["batch_versions"] for r in resumed] == [[last + 1]] * 2
+    assert [r["gc_frozen"] for r in resumed] == [True, True]
     assert sorted(int(p.name) for p in checkpoints.iterdir()) == [last, last + 2]
+
+
+def test_evaluation_on_the_rollout_actors_equals_the_colocated_evaluation(tmp_path):
+    """Same config and weights (step 0's): the colocated mode on 2 hosts x 2 devices and DA's 2
+    rollout actors (of 4 hosts x 2 devices) score the same held-out prompts with the same
+    seeds; the driver's sum of the actors' results is the colocated eval record. The reward
+    reads every sampled character, so an equal mean reward means equal samples."""
+    keys = [*SMALL, "steps=1", "num_test_batches=4",
+            "reward_functions=tests.workers.text_rewards:char_codes"]
+    recipe = str(REPO / "recipes/cpu/demo.yml")
+    co = launch.launch(recipe, [*keys, "rl_runtime=mcjax",
+                                f"base_output_directory={tmp_path / 'co'}"], 2, 2)
+    assert co == 0
+    cfg = config(tmp_path / "da", *keys[len(SMALL):], recipe=recipe)
+    summary = disaggregated.run(cfg, hosts=4, devices_per_host=2)
+    co_eval = read_jsonl(tmp_path / "co" / cfg.run_name / "steps.jsonl")[0]["eval"]
+    da_eval = read_jsonl(cfg.run_dir / "steps.jsonl")[0]["eval"]
+    assert set(da_eval) == {"pre", "post"} and da_eval["post"]["steps_done"] == 1
+    assert [e["when"] for e in summary["eval"]] == ["pre", "post"]
+    co_pre, da_pre = co_eval["pre"], da_eval["pre"]
+    print("colocated:", co_pre, "\ndisaggregated:", da_pre)
+    assert (da_pre["total"], da_pre["steps_done"]) == (co_pre["total"], 0) == (16, 0)
+    assert co_pre["mean_reward"] > 0
+    assert da_pre["corr"] == co_pre["corr"]
+    for key in ("accuracy", "partial_accuracy", "format_accuracy", "mean_reward"):
+        assert abs(da_pre[key] - co_pre[key]) < 1e-6, key
 
 
 def lora_publish_bytes(cfg) -> tuple[int, int]:
@@ -205,6 +234,7 @@ def test_dead_rollout_restarted_once_then_ends_the_run_within_60s(tmp_path):
     (["rl_trainer_hosts_fraction=0.25", "rl_balance_prompts_by_length=true"], 4,
      "does not divide by the 3 rollout"),
     (["profiler=xplane"], 2, "cannot honour profiler"),
+    (["num_test_batches=1", "dataset_name=gsm8k"], 2, "dataset_name=gsm8k has none"),
 ])
 def test_bad_splits_and_unsupported_keys_are_refused(tmp_path, overrides, hosts, message):
     with pytest.raises(ConfigError, match=message):

@@ -278,7 +278,7 @@ def test_eval_schedule_tunix_evaluates_at_multiples_but_not_after_the_last():
                                       ("maxtext", 6, [0, 3, 6, 6])):
         cfg = load_config(None, {"steps": steps, "num_test_batches": 1, "eval_interval": 3,
                                  "eval_schedule": schedule})
-        evals = EvalSchedule(cfg, Counting(), topo, topology.Watchdog(0, 60))
+        evals = EvalSchedule.on_hosts(cfg, Counting(), topo, topology.Watchdog(0, 60))
         evals.before_training(None, 0)
         done = [r["steps_done"] for step in range(steps)
                 for r in evals.after_step(step, None).get("eval", {}).values()]

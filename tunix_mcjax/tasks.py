@@ -101,6 +101,18 @@ def gsm8k_task(path: str) -> Task:
     )
 
 
+HELD_OUT_SEED = 4321  # next_digit's evaluation prompts: drawn apart from its training prompts
+
+
+def held_out_task(cfg: Config, num_prompts: int) -> Task | None:
+    """`num_prompts` evaluation prompts of the config's task, apart from its training prompts;
+    None for a task without a held-out split of its own (lookup, gsm8k)."""
+    if cfg.dataset_name == "next_digit":
+        return dataclasses.replace(next_digit_task(num_prompts, HELD_OUT_SEED),
+                                   name="next_digit_test")
+    return None
+
+
 def load_task(cfg: Config) -> Task:
     if cfg.dataset_name == "next_digit":
         return next_digit_task()

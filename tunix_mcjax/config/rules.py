@@ -25,7 +25,6 @@ DA_SPLITS = (0.5, 0.25, 0.125)  # the paper's; any share that makes whole hosts 
 SPLIT_TOLERANCE = 0.05  # hosts: 0.33 of 3 hosts is 1 trainer host
 # What rl_runtime=mcjax_da does not do (yet), with the fix.
 DA_REFUSED = {
-    "num_test_batches": "evaluation runs in the colocated runtime only",
     "profiler": "the JAX profiler is wired into the colocated step only",
     "rl_async_metrics_export": "O1 moves the colocated metrics barrier off the step; "
                                "disaggregated metrics are written by the Ray driver, off every "
@@ -102,6 +101,11 @@ def _disaggregated(cfg: Config) -> None:
         raise ConfigError("rl_runtime=mcjax_da cannot honour "
                           + "; ".join(f"{k} ({DA_REFUSED[k]})" for k in refused)
                           + ". Drop them, or use rl_runtime=mcjax.")
+    if cfg.num_test_batches > 0 and cfg.dataset_name != "next_digit":
+        raise ConfigError(f"num_test_batches={cfg.num_test_batches}: rl_runtime=mcjax_da "
+                          f"evaluates the built-in task's held-out prompts (dataset_name="
+                          f"next_digit), and dataset_name={cfg.dataset_name} has none: set "
+                          "num_test_batches=0, or use rl_runtime=mcjax")
     if cfg.rollout_engine != "jax":
         raise ConfigError(f"rl_runtime=mcjax_da runs rollout_engine=jax in its rollout actors; "
                           f"rollout_engine={cfg.rollout_engine} is colocated-only for now")

@@ -335,8 +335,9 @@ class Checkpoints:
 class Evaluation:
     """Evaluation
 
-    MaxText's evaluation schedule; it needs an evaluator, which the MaxText adapter builds from
-    MaxText's `eval_*` keys."""
+    MaxText's evaluation schedule; it needs an evaluator, which the MaxText and Tunix adapters
+    build from their eval keys and `dataset_name=next_digit` has built in (its held-out prompts,
+    scored on the rollout actors under `mcjax_da`)."""
 
     num_test_batches: int = key(
         0, "Evaluation batches (MaxText's); 0: no evaluation.",

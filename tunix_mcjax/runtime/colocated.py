@@ -57,7 +57,8 @@ class ColocatedRuntime:
                                                  topo.host)
         self.train = phases.TrainPhase(self.trainer, self.watchdog, cfg.num_iterations)
         self.publisher = Publisher(parts.mesh, cfg.rl_publish_weights_single_call)
-        self.evaluation = evaluation.EvalSchedule(cfg, parts.evaluator, topo, self.watchdog)
+        self.evaluation = evaluation.EvalSchedule.on_hosts(cfg, parts.evaluator, topo,
+                                                            self.watchdog)
         self.state = recovery.RunState(cfg, self.watchdog, topo.is_leader)
         self.nonfinite = recovery.NonFinitePolicy(cfg.max_nonfinite_steps)
         self.history = LengthHistory(len(self.prompts.tokens))  # O3's expected output

@@ -10,6 +10,7 @@ import jax
 
 from tunix_mcjax import models, topology
 from tunix_mcjax.config import Config
+from tunix_mcjax.runtime.evaluation import task_evaluator
 from tunix_mcjax.runtime.phases import Prompts
 from tunix_mcjax.tasks import Task, load_task
 from tunix_mcjax.tokenizer import load_tokenizer
@@ -34,13 +35,15 @@ class Components:
 
 def default_components(cfg: Config, topo: topology.Topology, tokenizer, task: Task
                        ) -> Components:
-    """The config's tiny Qwen3 on the global mesh (a cross-host build: run it guarded)."""
+    """The config's tiny Qwen3 on the global mesh (a cross-host build: run it guarded), and the
+    built-in task's evaluator when num_test_batches > 0."""
     mesh = topology.trainer_mesh(topo)
     vocab = len(tokenizer)
     model = models.build_model(cfg, models.model_config(cfg, vocab), mesh)
     policy, params = qwen3_policy(model)
     return Components(tokenizer, task, mesh, policy, params,
-                      models.model_config(cfg, vocab, for_sampling=True))
+                      models.model_config(cfg, vocab, for_sampling=True),
+                      evaluator=task_evaluator(cfg, tokenizer, topo.host, topo.num_hosts))
 
 
 def build(cfg: Config, topo: topology.Topology,

@@ -13,7 +13,9 @@ Schedule:
 so batch t+1 is generated with v_t and applied to v_t+1: staleness is exactly one step from
 step 1 on (batch 0, the pipeline fill, is on-policy). Each batch carries its version and the
 trainer weights it by the engine's behaviour logprobs (off-policy loss). The step period is
-Eq. 4's max(rollout + weight load, train + publish).
+Eq. 4's max(rollout + weight load, train + publish). Evaluation keeps the colocated schedule
+(`evaluation.EvalSchedule`): the rollout actors score their shares with the last published
+version, after the batch they are generating, and the driver sums them.
 
 Faults: a dead trainer actor ends the run at once, named; a dead rollout actor too, unless
 `rl_rollout_restarts` allows a new one, which regenerates the lost batch with the same version
@@ -36,7 +38,7 @@ import ray
 
 from tunix_mcjax import metrics
 from tunix_mcjax.config import Config
-from tunix_mcjax.runtime import ray_cluster, reporting
+from tunix_mcjax.runtime import evaluation, ray_cluster, reporting
 from tunix_mcjax.runtime.ray_actors import RolloutWorker, TrainerWorker
 from tunix_mcjax.runtime.recovery import NonFinitePolicy, Preempted
 
@@ -148,6 +150,15 @@ class Cluster:
                 pending.update(self.generate(step, version, weights, only=index))
                 compiles = True  # the new actor builds and compiles its engine first
 
+    def eval_sums(self, policy: tuple[int, list], steps_done: int, compiles: bool
+                  ) -> np.ndarray:
+        """[rollouts, SUM_FIELDS]: every rollout actor's evaluation sums with `policy`
+        ((version, weights)), after the calls queued before it."""
+        calls = {f"rollout-{r}": a.evaluate.remote(steps_done, *policy)
+                 for r, a in enumerate(self.rollouts)}
+        out = self.wait(calls, f"evaluation after {steps_done} steps", compiles=compiles)
+        return np.stack([out[f"rollout-{r}"] for r in range(len(self.rollouts))])
+
     def train(self, step: int, batches: list) -> dict:
         """Starts update `step` on every trainer (trainer r gets its contiguous share of the
         batches); `finish_train` waits for it."""
@@ -176,6 +187,11 @@ def training_steps(cfg: Config, cluster: Cluster, stop: threading.Event | None =
     published = cluster.publish_first()
     version, weights = published["version"], published["weights"]  # the last published
     behaviour = (version, weights)  # the version the pending batch is generated with
+    # The colocated schedule; the rollout actors evaluate the last published policy.
+    evals = evaluation.EvalSchedule(
+        cfg, evaluation.TaskEvaluator.mode if cfg.num_test_batches > 0 else None,
+        cluster.eval_sums)
+    evals.before_training(behaviour, cluster.first_step)
     pending = cluster.generate(cluster.first_step, *behaviour)
     nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps)
     nonfinite.count = resumed["nonfinite_steps"]
@@ -189,8 +205,10 @@ def training_steps(cfg: Config, cluster: Cluster, stop: threading.Event | None =
         train = cluster.finish_train(step, training)
         nonfinite.applied(step, train, last_checkpoint)
         version, weights = train["version"], train["weights"]
-        yield step_record(step, rollouts, train, sum(cluster.restarts), nonfinite.count,
-                          time.perf_counter() - start)
+        record = step_record(step, rollouts, train, sum(cluster.restarts), nonfinite.count,
+                             time.perf_counter() - start)
+        record.update(evals.after_step(step, (version, weights)))
+        yield record
         preempted = stop is not None and stop.is_set()
         if cfg.enable_checkpointing and (preempted or step == cfg.steps - 1
                                          or (step + 1) % cfg.checkpoint_period == 0):
@@ -218,6 +236,7 @@ def step_record(step: int, rollouts: list[dict], train: dict, restarts: int,
         weight_load_s=max(r["load_s"] for r in rollouts), rollout_restarts=restarts,
         rollout_nodes=[r["node_id"] for r in rollouts],
         nonfinite_steps=nonfinite_steps,
+        gc_frozen=train["gc_frozen"] and all(r["gc_frozen"] for r in rollouts),
         **{k: train[k] for k in TRAIN_FIELDS if k in train})
     return rec
 
@@ -253,9 +272,9 @@ def _run(cfg: Config, hosts: int, devices_per_host: int) -> dict:
             log(rec)
             if tensorboard is not None:
                 tensorboard.write(rec)
-            if rec["step"] % cfg.log_period == 0:
-                print(metrics.progress_line(rec) + f" | staleness {rec['staleness']}",
-                      flush=True)
+            if rec["step"] % cfg.log_period == 0 or "eval" in rec:
+                line, *evals = metrics.progress_line(rec).split("\n")
+                print("\n".join([f"{line} | staleness {rec['staleness']}", *evals]), flush=True)
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous)
@@ -293,6 +312,7 @@ def write_summary(cfg: Config, records: list[dict], hosts: int, devices_per_host
         "nonfinite_steps": records[-1]["nonfinite_steps"],
         "actor_nodes": {**{f"trainer-{r}": n for r, n in enumerate(records[-1]["trainer_nodes"])},
                         **{f"rollout-{r}": n for r, n in enumerate(records[-1]["rollout_nodes"])}},
+        **evaluation.summary_fields(records),
     }
     (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     print(reporting.summary_table(summary), flush=True)

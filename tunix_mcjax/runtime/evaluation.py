@@ -4,20 +4,25 @@ MaxText's RL trainer evaluates before training, every `eval_interval` steps (aft
 whose count of finished steps divides by it) and after training, when `num_test_batches > 0`;
 with `eval_schedule=tunix`, as Tunix's learner: at every such count, 0 included, but the last.
 Here each host scores its own share of the evaluation prompts on its own engine (an
-`Evaluator`, e.g. the MaxText adapter's, which scores with MaxText's `evaluate_rl`), and one
-tiny all-gather sums the hosts' counts into the global result every host then holds.
+`Evaluator`: the MaxText adapter's, which scores with MaxText's `evaluate_rl`, the Tunix
+adapter's, or `TaskEvaluator` on the built-in task's held-out prompts), and one tiny all-gather
+sums the hosts' counts into the global result every host then holds. Under rl_runtime=mcjax_da
+the rollout actors are the hosts and the driver sums their results (`EvalSchedule` is the same).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import numpy as np
 
-from tunix_mcjax import topology
+from tunix_mcjax import rewards, topology
 from tunix_mcjax.config import Config, ConfigError
 from tunix_mcjax.engine import Engine
+from tunix_mcjax.runtime import phases
+from tunix_mcjax.tasks import Task, held_out_task
 
 # What each host sends: sums over its evaluation prompts, in this order.
 SUM_FIELDS = ("corr", "partially_corr", "corr_format", "total", "reward_sum", "reward_count")
@@ -52,33 +57,97 @@ def global_result(per_host: np.ndarray) -> dict[str, float]:
     }
 
 
-class EvalSchedule:
-    """When to evaluate, and the global result of each evaluation."""
+class TaskEvaluator:
+    """This host's share of the built-in task's held-out prompts (`tasks.held_out_task`,
+    num_test_batches x batch_size of them), sampled num_generations times each and scored by the
+    run's reward and accuracy functions. corr: the mean accuracy of a prompt's samples (pass@1);
+    partially_corr: any sample right; corr_format: the mean of samples that earned any reward
+    (the built-in tasks have no format check of their own)."""
 
-    def __init__(self, cfg: Config, evaluator: Evaluator | None, topo: topology.Topology,
-                 watchdog: topology.Watchdog):
-        if cfg.num_test_batches > 0 and evaluator is None:
-            raise ConfigError(
-                f"num_test_batches={cfg.num_test_batches}: evaluation needs an evaluator, which "
-                "the MaxText adapter builds from MaxText's eval_* keys; set num_test_batches=0 "
-                "for this recipe.")
-        self.cfg, self.topo, self.watchdog = cfg, topo, watchdog
-        self.evaluator = evaluator if cfg.num_test_batches > 0 else None
+    mode = "pass_at_1"
+
+    def __init__(self, cfg: Config, tokenizer: Any, task: Task, host: int, num_hosts: int):
+        self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
+        self.share = list(range(host, len(task.prompts), num_hosts))
+        self.tokens = [phases.encode_prompt(tokenizer, i, task.prompts[i]) for i in self.share]
+        self.reward_fns = rewards.resolve_reward_fns(cfg.reward_functions, task)
+
+    def local_sums(self, engine: Engine, seed: int) -> np.ndarray:
+        sums = dict.fromkeys(SUM_FIELDS, 0.0)
+        g = self.cfg.num_generations
+        if self.share:
+            completions = engine.generate([t for t in self.tokens for _ in range(g)],
+                                          phases.sampling_params(self.cfg), seed)
+            texts = self.tokenizer.batch_decode(
+                [c.tokens[:-1] if c.finish_reason != "length" else c.tokens for c in completions],
+                skip_special_tokens=True)
+            expanded = [i for i in self.share for _ in range(g)]
+            prompts = [self.task.prompts[i] for i in expanded]
+            fields = {k: [v[i] for i in expanded] for k, v in self.task.fields.items()}
+            reward = rewards.score(self.reward_fns, prompts, texts, fields, expanded)
+            correct = np.asarray(self.task.accuracy_fn(prompts=prompts, completions=texts,
+                                                       **fields)).reshape(-1, g)
+            sums.update(corr=correct.mean(1).sum(), partially_corr=(correct.max(1) > 0).sum(),
+                        corr_format=(reward.reshape(-1, g) > 0).mean(1).sum(),
+                        total=len(self.share), reward_sum=float(reward.sum()),
+                        reward_count=len(texts))
+        return np.array([sums[k] for k in SUM_FIELDS], np.float64)
+
+
+def task_evaluator(cfg: Config, tokenizer: Any, host: int, num_hosts: int
+                   ) -> TaskEvaluator | None:
+    """The built-in task's evaluator when num_test_batches > 0 and the task has held-out
+    prompts; else None."""
+    task = held_out_task(cfg, cfg.num_test_batches * cfg.batch_size) \
+        if cfg.num_test_batches > 0 else None
+    return TaskEvaluator(cfg, tokenizer, task, host, num_hosts) if task else None
+
+
+# (what to evaluate: an engine, or DA's published policy; steps done; may it compile) ->
+# every host's sums, [hosts, SUM_FIELDS].
+PerHostSums = Callable[[Any, int, bool], np.ndarray]
+
+
+class EvalSchedule:
+    """When to evaluate, and the global result of each evaluation from every host's sums
+    (`per_host_sums`); `mode` None: no evaluation."""
+
+    def __init__(self, cfg: Config, mode: str | None, per_host_sums: PerHostSums | None):
+        self.cfg, self.mode, self.per_host_sums = cfg, mode, per_host_sums
         self._pending: dict[str, Any] = {}
         self._compiled = False
 
-    def before_training(self, engine: Engine, start_step: int) -> None:
+    @classmethod
+    def on_hosts(cls, cfg: Config, evaluator: Evaluator | None, topo: topology.Topology,
+                 watchdog: topology.Watchdog) -> EvalSchedule:
+        """The colocated mode's: each host scores its share on its engine; one all-gather."""
+        if cfg.num_test_batches == 0:
+            return cls(cfg, None, None)
+        if evaluator is None:
+            raise ConfigError(
+                f"num_test_batches={cfg.num_test_batches}: evaluation needs an evaluator, which "
+                "the MaxText and Tunix adapters build from their eval keys and dataset_name="
+                "next_digit has built in; set num_test_batches=0 for this recipe.")
+
+        def per_host_sums(engine: Engine, steps_done: int, compiles: bool) -> np.ndarray:
+            local = evaluator.local_sums(engine, eval_seed(cfg.seed, steps_done, topo.host))
+            # The first evaluation may compile (new sampling settings) on a slower host.
+            with watchdog.guard("eval", compiles=compiles):
+                return topology.allgather(np.asarray(local, np.float64))
+        return cls(cfg, evaluator.mode, per_host_sums)
+
+    def before_training(self, engine: Any, start_step: int) -> None:
         """MaxText's pre-training evaluation (also on resume); kept for the first step's record.
         eval_schedule=tunix: only when the finished steps divide by eval_interval (Tunix's)."""
         tunix_skips = (self.cfg.eval_schedule == "tunix"
                        and start_step % max(self.cfg.eval_interval, 1) != 0)
-        if self.evaluator is not None and not tunix_skips:
+        if self.mode is not None and not tunix_skips:
             self._pending["pre"] = self.evaluate(engine, start_step)
 
-    def after_step(self, step: int, engine: Engine) -> dict[str, Any]:
+    def after_step(self, step: int, engine: Any) -> dict[str, Any]:
         """{"eval": {label: result}} for the evaluations due after `step` (plus a pending
         pre-training one), or {} when none is."""
-        if self.evaluator is None:
+        if self.mode is None:
             return {}
         done = step + 1
         interval = self.cfg.eval_interval
@@ -91,15 +160,11 @@ class EvalSchedule:
         out, self._pending = ({"eval": self._pending} if self._pending else {}), {}
         return out
 
-    def evaluate(self, engine: Engine, steps_done: int) -> dict[str, Any]:
+    def evaluate(self, engine: Any, steps_done: int) -> dict[str, Any]:
         t0 = time.perf_counter()
-        local = self.evaluator.local_sums(
-            engine, eval_seed(self.cfg.seed, steps_done, self.topo.host))
-        # The first evaluation may compile (new sampling settings) on a slower host.
-        with self.watchdog.guard("eval", compiles=not self._compiled):
-            per_host = topology.allgather(np.asarray(local, np.float64))
+        per_host = self.per_host_sums(engine, steps_done, not self._compiled)
         self._compiled = True
-        return {"steps_done": steps_done, "mode": self.evaluator.mode,
+        return {"steps_done": steps_done, "mode": self.mode,
                 **global_result(per_host), "eval_s": time.perf_counter() - t0}
 
 

@@ -16,6 +16,7 @@ running the shared phases (`runtime.phases`) of its side of the step.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from typing import Any
@@ -28,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tunix_mcjax import metrics, models, topology
 from tunix_mcjax.config import Config
 from tunix_mcjax.publish import nest, tree_bytes
-from tunix_mcjax.runtime import components, phases, recovery
+from tunix_mcjax.runtime import components, evaluation, phases, recovery
 from tunix_mcjax.runtime.colocated import freeze_gc
 from tunix_mcjax.runtime.records import HostRecord, Rollout
 from tunix_mcjax.runtime.stepmath import LengthHistory
@@ -61,7 +62,9 @@ class RolloutWorker:
             list(jax.local_devices()), prompts.pad_id, prompts.eos_ids)
         self.phases = phases.RolloutPhases(cfg, prompts, self.engine, num_rollouts, index)
         self.history = LengthHistory(len(prompts.tokens))  # stays empty: O3x is colocated-only
+        self.evaluator = evaluation.task_evaluator(cfg, tokenizer, index, num_rollouts)
         self.version, self.weights_object, self.has_base = -1, "", False
+        self.warm = False  # O2 freezes GC after this actor's first rollout (a resumed run's too)
 
     def __repr__(self) -> str:  # Ray prefixes the actor's log lines with it
         return f"rollout-{self.index}"
@@ -95,13 +98,23 @@ class RolloutWorker:
         with timer.phase("load"):
             self._load(version, weights)
         rollout = self.phases.rollout(step, version, self.history, timer)
-        if step == 0 and self.cfg.rl_gc_freeze_after_warmup:
+        if not self.warm and self.cfg.rl_gc_freeze_after_warmup:
             freeze_gc()
+        self.warm = True
         record = HostRecord.of(rollout, self.index, timer.total(), timer.seconds, {},
                                compiled=self.engine.compile_count > programs, rows_per_device=0,
                                train_compiled=False).to_json()
         return rollout, {**record, "load_s": timer.seconds["load"],
-                         "weights_object": self.weights_object, "node_id": node_id()}
+                         "weights_object": self.weights_object, "node_id": node_id(),
+                         "gc_frozen": gc.get_freeze_count() > 0}
+
+    def evaluate(self, steps_done: int, version: int, weights: list[ray.ObjectRef]
+                 ) -> np.ndarray:
+        """This host's evaluation sums (`evaluation.SUM_FIELDS`) with policy `version`, seeded
+        as the colocated mode seeds host `index`."""
+        self._load(version, weights)
+        return self.evaluator.local_sums(
+            self.engine, evaluation.eval_seed(self.cfg.seed, steps_done, self.index))
 
 
 class TrainerWorker:
@@ -192,10 +205,10 @@ class TrainerWorker:
             published = self.publish()
         else:  # params and optimizer state are as they were: v_t is still the policy
             published = {**self.published, "publish_s": 0.0}
-        if step == 0 and self.cfg.rl_gc_freeze_after_warmup:
+        if step == self.start_step and self.cfg.rl_gc_freeze_after_warmup:
             freeze_gc()
         return {**result.metrics, **published, "trained_on": trained_on, "node_id": node_id(),
                 "batch_versions": [r.policy_version for r in rollouts],
                 "trainer_processes": self.topo.num_hosts, "rows_per_device": k,
                 "pack_s": timer.seconds["pack"], "train_s": timer.seconds["train"],
-                "compiled": int(result.compiled)}
+                "compiled": int(result.compiled), "gc_frozen": gc.get_freeze_count() > 0}
