@@ -101,12 +101,13 @@ def gsm8k_task(path: str) -> Task:
     )
 
 
-HELD_OUT_SEED = 4321  # next_digit's evaluation prompts: drawn apart from its training prompts
+HELD_OUT_SEED = 4321  # next_digit's evaluation draw: its own seed, not a training batch
 
 
 def held_out_task(cfg: Config, num_prompts: int) -> Task | None:
-    """`num_prompts` evaluation prompts of the config's task, apart from its training prompts;
-    None for a task without a held-out split of its own (lookup, gsm8k)."""
+    """`num_prompts` evaluation prompts of the config's task, drawn apart from its training
+    batches (next_digit has only ten distinct prompts, so the draw holds the same ones in
+    another order); None for a task without an evaluation split of its own (lookup, gsm8k)."""
     if cfg.dataset_name == "next_digit":
         return dataclasses.replace(next_digit_task(num_prompts, HELD_OUT_SEED),
                                    name="next_digit_test")
