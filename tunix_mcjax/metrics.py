@@ -75,12 +75,19 @@ def global_record(step: int, per_host: np.ndarray, prompt_indices: list[int]) ->
 
 def progress_line(rec: dict) -> str:
     """The step's line, then one line per evaluation that ran after it."""
-    from tunix_mcjax.runtime.evaluation import eval_lines
-
     phases = " ".join(f"{p}={rec['phase_s'][p]:.2f}" for p in PHASES)
     step = (f"step {rec['step']:4d} | reward {rec['reward_mean']:.3f} | acc "
             f"{rec['accuracy']:.3f} | {rec['step_s']:.2f}s | {phases}")
     return "\n".join([step, *eval_lines(rec)])
+
+
+def eval_lines(record: dict) -> list[str]:
+    """Progress lines for the evaluations in a step record."""
+    return [f"eval {label:<12} after {r['steps_done']:4d} steps | {r['mode']} accuracy "
+            f"{r['accuracy']:.2f}% | partial {r['partial_accuracy']:.2f}% | format "
+            f"{r['format_accuracy']:.2f}% | reward {r['mean_reward']:.3f} | {r['total']} prompts"
+            f" | {r['eval_s']:.2f}s"
+            for label, r in record.get("eval", {}).items()]
 
 
 def read_jsonl(path: epath.PathLike) -> list[dict]:

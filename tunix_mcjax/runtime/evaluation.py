@@ -168,15 +168,6 @@ class EvalSchedule:
                 **global_result(per_host), "eval_s": time.perf_counter() - t0}
 
 
-def eval_lines(record: dict) -> list[str]:
-    """Progress lines for the evaluations in a step record."""
-    return [f"eval {label:<12} after {r['steps_done']:4d} steps | {r['mode']} accuracy "
-            f"{r['accuracy']:.2f}% | partial {r['partial_accuracy']:.2f}% | format "
-            f"{r['format_accuracy']:.2f}% | reward {r['mean_reward']:.3f} | {r['total']} prompts"
-            f" | {r['eval_s']:.2f}s"
-            for label, r in record.get("eval", {}).items()]
-
-
 def summary_fields(records: list[dict]) -> dict[str, Any]:
     """summary.json's evaluation entries: every evaluation of the run, in order."""
     evals = [{"when": label, **r} for rec in records for label, r in rec.get("eval", {}).items()]
