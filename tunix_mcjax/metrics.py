@@ -73,11 +73,11 @@ def global_record(step: int, per_host: np.ndarray, prompt_indices: list[int]) ->
     }
 
 
-def progress_line(rec: dict) -> str:
-    """The step's line, then one line per evaluation that ran after it."""
+def progress_line(rec: dict, extra: str = "") -> str:
+    """The step's line (ending with `extra`), then one line per evaluation that ran after it."""
     phases = " ".join(f"{p}={rec['phase_s'][p]:.2f}" for p in PHASES)
     step = (f"step {rec['step']:4d} | reward {rec['reward_mean']:.3f} | acc "
-            f"{rec['accuracy']:.3f} | {rec['step_s']:.2f}s | {phases}")
+            f"{rec['accuracy']:.3f} | {rec['step_s']:.2f}s | {phases}{extra}")
     return "\n".join([step, *eval_lines(rec)])
 
 

@@ -48,11 +48,8 @@ class EngineRollout:
         self.calls += 1
         completions = self.engine.generate([self.prompt_tokens[p] for p in prompts], sampling,
                                            seed)
-        # A completion that stopped ends with its stop token, which vLLM's text leaves out.
-        text = self.tokenizer.batch_decode(
-            [c.tokens[:-1] if c.finish_reason != "length" else c.tokens for c in completions],
-            skip_special_tokens=True)
-        return types.SimpleNamespace(text=text)
+        # Without the stop token, as vLLM's text leaves it out.
+        return types.SimpleNamespace(text=phases.completion_texts(self.tokenizer, completions))
 
 
 class MaxTextEvaluator:

@@ -273,8 +273,7 @@ def _run(cfg: Config, hosts: int, devices_per_host: int) -> dict:
             if tensorboard is not None:
                 tensorboard.write(rec)
             if rec["step"] % cfg.log_period == 0 or "eval" in rec:
-                line, *evals = metrics.progress_line(rec).split("\n")
-                print("\n".join([f"{line} | staleness {rec['staleness']}", *evals]), flush=True)
+                print(metrics.progress_line(rec, f" | staleness {rec['staleness']}"), flush=True)
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous)

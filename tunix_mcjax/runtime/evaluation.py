@@ -57,6 +57,15 @@ def global_result(per_host: np.ndarray) -> dict[str, float]:
     }
 
 
+def sample_texts(cfg: Config, engine: Engine, tokenizer: Any, tokens: list, seed: int
+                 ) -> list[str]:
+    """num_generations completions' texts of each prompt in `tokens`, a prompt's in a row."""
+    g = cfg.num_generations
+    completions = engine.generate([t for t in tokens for _ in range(g)],
+                                  phases.sampling_params(cfg), seed)
+    return phases.completion_texts(tokenizer, completions)
+
+
 class TaskEvaluator:
     """This host's share of the built-in task's held-out prompts (`tasks.held_out_task`,
     num_test_batches x batch_size of them), sampled num_generations times each and scored by the
@@ -76,11 +85,7 @@ class TaskEvaluator:
         sums = dict.fromkeys(SUM_FIELDS, 0.0)
         g = self.cfg.num_generations
         if self.share:
-            completions = engine.generate([t for t in self.tokens for _ in range(g)],
-                                          phases.sampling_params(self.cfg), seed)
-            texts = self.tokenizer.batch_decode(
-                [c.tokens[:-1] if c.finish_reason != "length" else c.tokens for c in completions],
-                skip_special_tokens=True)
+            texts = sample_texts(self.cfg, engine, self.tokenizer, self.tokens, seed)
             expanded = [i for i in self.share for _ in range(g)]
             prompts = [self.task.prompts[i] for i in expanded]
             fields = {k: [v[i] for i in expanded] for k, v in self.task.fields.items()}

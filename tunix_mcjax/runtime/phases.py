@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -31,6 +32,13 @@ from tunix_mcjax.trainer import Trainer
 __all__ = ["ENGINES", "Prompts", "RolloutPhases", "TrainPhase", "TrainResult", "default_engine",
            "encode_prompt", "filter_task", "pack", "pack_local", "publish", "rollout_seed",
            "sampling_params", "tokenize_prompts"]
+
+
+def completion_texts(tokenizer: Any, completions: Sequence[Completion]) -> list[str]:
+    """The completions' texts: one that stopped ends with its stop token, which is dropped."""
+    return tokenizer.batch_decode(
+        [c.tokens[:-1] if c.finish_reason != "length" else c.tokens for c in completions],
+        skip_special_tokens=True)
 
 
 def sampling_params(cfg: Config) -> SamplingParams:
@@ -164,11 +172,7 @@ class RolloutPhases:
         """(rewards, correct, group advantages); every group is whole on this host."""
         if not completions:
             return (np.zeros(0, np.float32),) * 3
-        # A completion that stopped ends with its stop token; only that one is dropped.
-        texts = self.prompts.tokenizer.batch_decode(
-            [c.tokens[:-1] if c.finish_reason != "length" else c.tokens for c in completions],
-            skip_special_tokens=True)
-        return self.score_texts(adm, texts)
+        return self.score_texts(adm, completion_texts(self.prompts.tokenizer, completions))
 
     def score_texts(self, adm: Admission, texts: list[str], extra: dict[str, list] | None = None
                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -22,7 +22,7 @@ from tunix_mcjax import admission, rewards
 from tunix_mcjax.config import Config, ConfigError
 from tunix_mcjax.engine import Engine
 from tunix_mcjax.runtime import phases
-from tunix_mcjax.runtime.evaluation import SUM_FIELDS
+from tunix_mcjax.runtime.evaluation import SUM_FIELDS, sample_texts
 from tunix_mcjax.tasks import Task, _last_number
 
 # Tunix's GSM8K answer format (tunix.examples.data.math_dataset's solution tags).
@@ -185,11 +185,7 @@ class TunixEvaluator:
         sums = dict.fromkeys(SUM_FIELDS, 0.0)
         g = self.cfg.num_generations
         if self.rows:
-            completions = engine.generate([t for t in self.tokens for _ in range(g)],
-                                          phases.sampling_params(self.cfg), seed)
-            texts = self.tokenizer.batch_decode(
-                [c.tokens[:-1] if c.finish_reason != "length" else c.tokens for c in completions],
-                skip_special_tokens=True)
+            texts = sample_texts(self.cfg, engine, self.tokenizer, self.tokens, seed)
             rows = [r for r in self.rows for _ in range(g)]
             prompts = [r["prompts"] for r in rows]
             fields = {k: [r[k] for r in rows] for k in rows[0] if k != "prompts"}
