@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from tunix_mcjax import config, models  # noqa: E402
 from tunix_mcjax.engine.base import SamplingParams  # noqa: E402
-from tunix_mcjax.engine.jax_engine import JaxEngine  # noqa: E402
+from tunix_mcjax.engine.jax_engine import JaxEngine, replica_key  # noqa: E402
 from tunix_mcjax.engine.sampling import SamplerSpec, sample  # noqa: E402
 
 VOCAB = 99
@@ -275,8 +275,15 @@ def test_clear_errors(model_config, model, eos_id):
     fresh.load_weights(params)
     with pytest.raises(ValueError, match="at least one prompt"):
         fresh.generate([], GREEDY, seed=0)
-    with pytest.raises(ValueError, match="max_prompt_length=4"):
-        fresh.generate([[1, 2, 3, 4, 5]], GREEDY, seed=0)
+    with pytest.raises(ValueError, match="prompt 1 has 5 tokens; need 1..max_prompt_length=4"):
+        fresh.generate([[1, 2], [1, 2, 3, 4, 5]], GREEDY, seed=0)
+    with pytest.raises(ValueError, match="prompt 0 has 0 tokens"):
+        fresh.generate([[], [1]], GREEDY, seed=0)
+    vocab = model_config.vocab_size
+    with pytest.raises(ValueError, match=rf"prompt 2 has token ids outside \[0, {vocab}\)"):
+        fresh.generate([[1, 2], [3], [4, vocab]], GREEDY, seed=0)
+    with pytest.raises(ValueError, match="prompt 1 has token ids outside"):
+        fresh.generate([[1], [-1, 2]], GREEDY, seed=0)
     with pytest.raises(ValueError, match="max_new_tokens"):
         fresh.generate([[1, 2]], SamplingParams(max_new_tokens=MAX_NEW + 1), seed=0)
     with pytest.raises(ValueError, match="tensor_parallelism"):
@@ -285,3 +292,13 @@ def test_clear_errors(model_config, model, eos_id):
             max_new_tokens=MAX_NEW, tensor_parallelism=3,
         )  # fmt: skip
     assert fresh.compile_count == 0
+
+
+def test_replica_key_is_fold_in_of_prng_key():
+    """The engine's one-dispatch key equals `fold_in(PRNGKey(seed), replica)`, the key every
+    request's randomness folds from, for the seeds a run passes (negative and past 2**32 too)."""
+    for seed in (0, 11, 2**31 + 3, 2**32 + 5, -3):
+        for replica in (0, 1, 3):
+            fast = replica_key(np.uint32(seed % 2**32), np.uint32(replica))
+            np.testing.assert_array_equal(
+                fast, jax.random.fold_in(jax.random.PRNGKey(seed), replica))

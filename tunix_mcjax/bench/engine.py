@@ -110,6 +110,12 @@ PROFILES = {
         "qwen3-0.6b-cpu", prompts=4, generations=4, prompt_lengths=(32, 64), max_new_tokens=64,
         ignore_eos=True, stop_token_ids=(), decode_batch=16, repeats=3, model="qwen3-0.6b",
     ),
+    # `make demo`'s share of one replica (recipes/cpu/demo.yml on 2 hosts x 2 devices): 4 prompts
+    # x 32 samples of 3 tokens, 2 new tokens, its tiny model: what the loop itself costs.
+    "demo-cpu": EngineProfile(
+        "demo-cpu", prompts=4, generations=32, prompt_lengths=(3, 3), max_new_tokens=2,
+        ignore_eos=True, stop_token_ids=(), decode_batch=64, repeats=41, model="demo",
+    ),
 }  # fmt: skip
 
 # Big enough that compute, not dispatch, dominates a CPU step; small enough for ~5 min total.
@@ -118,9 +124,11 @@ MODEL = qwen3.ModelConfig(
     num_kv_heads=2, rope_theta=1_000_000, norm_eps=1e-6, use_tied_embedding=True,
     shd_config=qwen3.ShardingConfig.get_default_sharding(is_sampling=True),
 )  # fmt: skip
-# Model shapes a profile can name: the tiny one above, and Qwen3-0.6B's in bf16.
+# Model shapes a profile can name: the tiny one above, the demo's, and Qwen3-0.6B's in bf16.
 MODELS = {
     "tiny": MODEL,
+    "demo": dataclasses.replace(MODEL, num_layers=2, vocab_size=99, embed_dim=64, hidden_dim=128,
+                                head_dim=16),
     "qwen3-0.6b": dataclasses.replace(
         qwen3.ModelConfig.qwen3_0p6b(), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16,
         shd_config=qwen3.ShardingConfig.get_default_sharding(is_sampling=True)),
