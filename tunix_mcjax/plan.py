@@ -13,8 +13,7 @@ A step's memory peaks in one of three phases, each on top of the trainer state (
 Adam moments, FSDP-sharded over all devices) and the engine's copy of the weights: generate
 (the paged jax engine's KV page pool, a prefill chunk or a decode step, whichever is larger,
 and the prompts' last logits; with free_kv_cache_during_weight_sync=false the pool is kept
-across steps and counts in every phase;
-the dense maxtext engine instead makes a KV cache, prompt store and prefill per call), train
+across steps and counts in every phase; the maxtext engine is paged the same way), train
 (gradients, the gathered replica when params are gathered once, saved activations and logits
 scratch) and publish (the replicated gather of the new weights). The pool is sized as the
 engine sizes it (`engine.pages`), and a plan that the engine would refuse (a pool that cannot
@@ -350,7 +349,7 @@ class Plan:
     cluster: Cluster
     model: ModelShape
     layout: TrainLayout
-    engine: PagedShape | None  # None: the dense maxtext engine
+    engine: PagedShape
     items: dict[str, int]  # per device
     phases: dict[str, int]  # per device
     activations: dict[str, int]  # what-ifs: saved activations per device
@@ -361,18 +360,18 @@ class Plan:
 
     @property
     def fits(self) -> bool:
-        pool_ok = self.engine is None or self.engine.pool_holds_one_sequence
+        pool_ok = self.engine.pool_holds_one_sequence
         return self.peak <= self.cluster.device_bytes and pool_ok
 
     @property
     def preempts(self) -> bool:
         """Whether a step at the caps needs more pages than the pool holds (rows wait, and
         are recomputed: slower, not a failure)."""
-        return self.engine is not None and self.engine.step_pages > self.engine.pool_pages
+        return self.engine.step_pages > self.engine.pool_pages
 
 
 def engine_items(cfg: Config, cluster: Cluster, m: ModelShape
-                 ) -> tuple[PagedShape | None, dict[str, int]]:
+                 ) -> tuple[PagedShape, dict[str, int]]:
     """The engine's shape and its items per device (both engines of our loop are paged; the
     maxtext engine's Gemma4 global layers, with their own kv heads and head dim, are counted at
     the config's `num_kv_heads` and `head_dim`)."""
@@ -443,10 +442,8 @@ def gib(n: int) -> str:
 
 
 def engine_lines(p: Plan) -> list[str]:
-    """The paged engine's pool against what a step at the caps needs (nothing when dense)."""
+    """The paged engine's pool against what a step at the caps needs."""
     e = p.engine
-    if e is None:
-        return [f"engine: {p.cfg.rollout_engine}, dense KV cache (a row per slot at the caps)"]
     limit = (f"hbm_utilization_vllm={p.cfg.hbm_utilization_vllm} of the device less the "
              "engine's weights" if e.pool_limited_by_budget else
              "every row at the caps (the most it can use)")

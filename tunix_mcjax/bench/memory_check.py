@@ -77,7 +77,7 @@ def measure(name: str, recipe: str, overrides: list[str], hosts: int, devices: i
         "devices_per_host": devices, "wall_s": wall, "code_version": _git_head(),
         "load_average": {"before": load_before, "after": load_average()},
         "plan": {"peak_per_host": planned, "phases_per_device": p.phases,
-                 "pool_pages": p.engine.pool_pages if p.engine else None,
+                 "pool_pages": p.engine.pool_pages,
                  "items_per_device": p.items, "gather_once": p.layout.gather_once,
                  "micro_batches": p.layout.micro_batches,
                  "rows_per_device": p.layout.rows_per_device},
