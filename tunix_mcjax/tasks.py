@@ -101,6 +101,21 @@ def gsm8k_task(path: str) -> Task:
     )
 
 
+# --- lookup: the agentic tool demo (`agentic.demo`): the digit only its tool returns. -------
+
+def lookup_reward(prompts: Sequence[str], completions: Sequence[str],
+                  trajectory_rewards: Sequence[float], tool_calls: Sequence[int],
+                  **_) -> list[float]:
+    """1.0 for the right digit after a tool call (the environment's reward), else 0."""
+    return [float(bool(calls) and r == 1.0)
+            for r, calls in zip(trajectory_rewards, tool_calls, strict=True)]
+
+
+def lookup_task(num_prompts: int = 64) -> Task:
+    return Task(name="lookup", prompts=["L"] * num_prompts, fields={},
+                reward_fns=(lookup_reward,), accuracy_fn=lookup_reward)
+
+
 HELD_OUT_SEED = 4321  # next_digit's evaluation draw: its own seed, not a training batch
 
 
@@ -118,8 +133,6 @@ def load_task(cfg: Config) -> Task:
     if cfg.dataset_name == "next_digit":
         return next_digit_task()
     if cfg.dataset_name == "lookup":
-        from tunix_mcjax.agentic.demo import lookup_task
-
         return lookup_task()
     if cfg.dataset_name == "gsm8k":
         if not cfg.hf_train_files:

@@ -2,14 +2,14 @@
 
 Every trajectory has its own secret digit that only the `lookup` tool returns. A model turn that
 is one digit is the answer; any other turn calls `lookup` (the compact tool syntax below), whose
-observation carries the digit. An environment allows two turns. `lookup_reward` is 1.0 for the
-right digit after a call and 0 otherwise: an answer without the tool earns nothing, so the
-random-init policy scores about 1 in 100 (a call, then the right digit by chance).
+observation carries the digit. An environment allows two turns. The task's reward
+(`tasks.lookup_reward`) is 1.0 for the right digit after a call and 0 otherwise: an answer
+without the tool earns nothing, so the random-init policy scores about 1 in 100 (a call, then the
+right digit by chance).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -18,8 +18,6 @@ from tunix.rl.agentic.environments.tool_environment import ToolEnvironment
 from tunix.rl.agentic.parser.tool_parser import tool_parser_registry
 from tunix.rl.agentic.parser.tool_parser.tool_parser_base import ToolParser
 from tunix.rl.agentic.tools import base_tool
-
-from tunix_mcjax.tasks import Task
 
 
 class CompactToolParser(ToolParser):
@@ -69,15 +67,3 @@ def lookup_conversation(prompt: str, fields: dict[str, Any], *, seed: int,
     env = ToolEnvironment(task={"question": prompt, "value": value}, tool_map=tools,
                           reward_fn=answer_matches, max_steps=2)
     return agent, env
-
-
-def lookup_reward(prompts: Sequence[str], completions: Sequence[str],
-                  trajectory_rewards: Sequence[float], tool_calls: Sequence[int],
-                  **_) -> list[float]:
-    return [float(bool(calls) and r == 1.0)
-            for r, calls in zip(trajectory_rewards, tool_calls, strict=True)]
-
-
-def lookup_task(num_prompts: int = 64) -> Task:
-    return Task(name="lookup", prompts=["L"] * num_prompts, fields={},
-                reward_fns=(lookup_reward,), accuracy_fn=lookup_reward)

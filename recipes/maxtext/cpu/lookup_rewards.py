@@ -1,7 +1,7 @@
 """MaxText reward function (reward_functions_path) for the lookup tool demo: 1.0 for the right
-secret digit after a tool call (tunix_mcjax.agentic.demo.lookup_reward), 0 otherwise."""
+secret digit after a tool call (tunix_mcjax.tasks.lookup_reward), 0 otherwise."""
 
-from tunix_mcjax.agentic.demo import lookup_reward as _lookup_reward
+from tunix_mcjax.tasks import lookup_reward as _lookup_reward
 
 
 def lookup_reward(prompts, completions, tmvp_config, trajectory_rewards, tool_calls, **kwargs):
