@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from tunix_mcjax.config.fields import ConfigError
 
 if TYPE_CHECKING:
-    from tunix_mcjax.config.core import Config
+    from tunix_mcjax.config.keys import Keys
 
 # Keys whose meaning exists only with use_agentic_rollout=true (MaxText passes them only to
 # Tunix's agentic learner).
@@ -18,7 +18,7 @@ AGENTIC_ONLY = ("off_policy_steps", "use_rollout_logps", "force_on_policy_ratio"
                 "agentic_max_turn_tokens", "agentic_tool_timeout_s")
 
 
-def check(cfg: Config) -> None:
+def check(cfg: Keys) -> None:
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     if cfg.dynamic_sampling and cfg.rl_runtime != "mcjax":
         raise ConfigError(f"dynamic_sampling=true refills steps in the colocated runtime only; "

@@ -11,41 +11,16 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from etils import epath
 
 from tunix_mcjax.config import rules
 from tunix_mcjax.config.fields import ConfigError, check_value, coerce
-from tunix_mcjax.config.sections import SECTIONS
+from tunix_mcjax.config.keys import Keys
 
 
-# dataclasses collect fields from the last base first: reversed, the keys keep SECTIONS' order.
 @dataclasses.dataclass(frozen=True)
-class Config(*reversed(SECTIONS)):
-    """Every key of a run (tunix_mcjax/config/sections.py), flat, with MaxText's names."""
-
-    @property
-    def max_completion_length(self) -> int:
-        return self.max_target_length - self.max_prefill_predict_length
-
-    @property
-    def agentic_turn_tokens(self) -> int:
-        """Tokens of one model turn (agentic_max_turn_tokens; 0: the completion budget)."""
-        return self.agentic_max_turn_tokens or self.max_completion_length
-
-    @property
-    def global_rows(self) -> int:
-        return self.batch_size * self.num_generations
-
-    @property
-    def run_dir(self) -> epath.Path:
-        """base_output_directory/run_name, through etils.epath (local paths, gs://, ...)."""
-        return epath.Path(self.base_output_directory) / self.run_name
-
-    @property
-    def checkpoint_dir(self) -> epath.Path:
-        if self.checkpoint_directory:
-            return epath.Path(self.checkpoint_directory)
-        return self.run_dir / "checkpoints"
+class Config(Keys):
+    """Every key of a run (`Keys`), and what needs the rules: replace, the DA split, the
+    topology checks. The rules themselves read `Keys`, so they do not import this module."""
 
     def replace(self, **changes: Any) -> Config:
         return load_config(None, overrides=changes, base=self)

@@ -13,7 +13,7 @@ from tunix_mcjax.config.fields import ConfigError, keys_of
 from tunix_mcjax.config.sections import Disaggregated, Vllm
 
 if TYPE_CHECKING:
-    from tunix_mcjax.config.core import Config
+    from tunix_mcjax.config.keys import Keys
 
 VLLM_KEYS = keys_of(Vllm)
 # The engines with a KV page pool, and the keys that size it.
@@ -33,13 +33,13 @@ DA_REFUSED = {
 }
 
 
-def changed(cfg: Config, keys: tuple[str, ...] | dict[str, str]) -> list[str]:
+def changed(cfg: Keys, keys: tuple[str, ...] | dict[str, str]) -> list[str]:
     """Those of `keys` whose value is not the default."""
     defaults = {f.name: f.default for f in dataclasses.fields(cfg)}
     return [k for k in keys if getattr(cfg, k) != defaults[k]]
 
 
-def json_object(cfg: Config, key: str) -> dict[str, Any]:
+def json_object(cfg: Keys, key: str) -> dict[str, Any]:
     """The JSON object a string key holds ({} when empty)."""
     raw = getattr(cfg, key)
     try:
@@ -51,7 +51,7 @@ def json_object(cfg: Config, key: str) -> dict[str, Any]:
     return value
 
 
-def check_rules(cfg: Config) -> None:
+def check_rules(cfg: Keys) -> None:
     """Every cross-key rule that needs no cluster shape. Raises ConfigError."""
     for rule in (_vllm, _kv_pool, _disaggregated, _runtime, _lengths_and_sampling,
                  _model_and_data, _train_memory, _lora, _evaluation_and_profiler,
@@ -59,7 +59,7 @@ def check_rules(cfg: Config) -> None:
         rule(cfg)
 
 
-def _vllm(cfg: Config) -> None:
+def _vllm(cfg: Keys) -> None:
     if cfg.rollout_engine != "vllm":
         if keys := changed(cfg, VLLM_KEYS):
             raise ConfigError(f"{', '.join(keys)} configure the vLLM engine, but "
@@ -76,7 +76,7 @@ def _vllm(cfg: Config) -> None:
         json_object(cfg, key)
 
 
-def _kv_pool(cfg: Config) -> None:
+def _kv_pool(cfg: Keys) -> None:
     if cfg.rollout_engine not in PAGED_ENGINES and (keys := changed(cfg, KV_POOL_KEYS)):
         raise ConfigError(f"{', '.join(keys)} size a KV page pool, but "
                           f"rollout_engine={cfg.rollout_engine} has none: drop them, or use "
@@ -87,7 +87,7 @@ def _kv_pool(cfg: Config) -> None:
                           "pool here anyway: drop it")
 
 
-def _disaggregated(cfg: Config) -> None:
+def _disaggregated(cfg: Keys) -> None:
     if cfg.rl_runtime != "mcjax_da":
         if keys := changed(cfg, DA_KEYS):
             raise ConfigError(f"{', '.join(keys)} configure rl_runtime=mcjax_da, but "
@@ -111,7 +111,7 @@ def _disaggregated(cfg: Config) -> None:
                           f"rollout_engine={cfg.rollout_engine} is colocated-only for now")
 
 
-def _runtime(cfg: Config) -> None:
+def _runtime(cfg: Keys) -> None:
     if cfg.rl_balance_by_expected_output and not cfg.rl_balance_prompts_by_length:
         raise ConfigError("rl_balance_by_expected_output=true refines O3's length balance, which "
                           "is off: also set rl_balance_prompts_by_length=true (or drop it)")
@@ -120,7 +120,7 @@ def _runtime(cfg: Config) -> None:
                           "rl_runtime=single's lockstep baseline is rollout_engine=jax's")
 
 
-def _lengths_and_sampling(cfg: Config) -> None:
+def _lengths_and_sampling(cfg: Keys) -> None:
     if cfg.max_completion_length <= 0:
         raise ConfigError(
             f"completion budget max_target_length - max_prefill_predict_length = "
@@ -131,14 +131,14 @@ def _lengths_and_sampling(cfg: Config) -> None:
                           "decode_sampling_strategy=greedy)")
 
 
-def _model_and_data(cfg: Config) -> None:
+def _model_and_data(cfg: Keys) -> None:
     if cfg.base_num_query_heads % cfg.base_num_kv_heads:
         raise ConfigError("base_num_query_heads must be a multiple of base_num_kv_heads")
     if cfg.tokenizer_type == "huggingface" and not cfg.tokenizer_path:
         raise ConfigError("tokenizer_type=huggingface needs tokenizer_path=<dir with tokenizer>")
 
 
-def _train_memory(cfg: Config) -> None:
+def _train_memory(cfg: Keys) -> None:
     mb = cfg.train_micro_batch_size
     if mb > 0 and (mb > cfg.batch_size or cfg.batch_size % mb):
         raise ConfigError(
@@ -147,7 +147,7 @@ def _train_memory(cfg: Config) -> None:
             "for no gradient accumulation.")
 
 
-def _lora(cfg: Config) -> None:
+def _lora(cfg: Keys) -> None:
     """LoRA keys (lora.py): set only with a rank, a regex that compiles, an engine that decodes
     the adapters."""
     if not cfg.lora_rank:
@@ -164,7 +164,7 @@ def _lora(cfg: Config) -> None:
                           "not decode LoRA adapters; use rollout_engine=jax")
 
 
-def _evaluation_and_profiler(cfg: Config) -> None:
+def _evaluation_and_profiler(cfg: Keys) -> None:
     """Evaluation and profiler keys (MaxText's checks, with the fix named)."""
     if cfg.eval_schedule == "tunix" and cfg.num_test_batches > 0 and cfg.eval_interval <= 0:
         raise ConfigError(f"eval_schedule=tunix evaluates every eval_interval steps (Tunix's "
@@ -183,7 +183,7 @@ def _evaluation_and_profiler(cfg: Config) -> None:
             f"steps={cfg.steps} (MaxText refuses this too). Lower it below {cfg.steps}.")
 
 
-def disaggregated_split(cfg: Config, num_hosts: int) -> tuple[int, int]:
+def disaggregated_split(cfg: Keys, num_hosts: int) -> tuple[int, int]:
     """(trainer hosts, rollout hosts) of `num_hosts` under rl_runtime=mcjax_da."""
     if num_hosts < 2:
         raise ConfigError("rl_runtime=mcjax_da needs at least 2 hosts (a trainer and a rollout "
@@ -212,7 +212,7 @@ def disaggregated_split(cfg: Config, num_hosts: int) -> tuple[int, int]:
     return int(trainers), rollouts
 
 
-def check_topology(cfg: Config, num_hosts: int, local_devices: int) -> None:
+def check_topology(cfg: Keys, num_hosts: int, local_devices: int) -> None:
     """Divisibility rules that need the cluster shape. Raises ConfigError."""
     if cfg.rl_runtime == "mcjax_da":
         disaggregated_split(cfg, num_hosts)
