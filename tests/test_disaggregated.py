@@ -21,7 +21,8 @@ from tests.mp import REPO, TINY, read_jsonl
 from tunix_mcjax import launch
 from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.runtime import disaggregated
-from tunix_mcjax.runtime.disaggregated import Cluster, training_steps
+from tunix_mcjax.runtime.da_cluster import Cluster
+from tunix_mcjax.runtime.disaggregated import training_steps
 from tunix_mcjax.runtime.ray_cluster import HOST_RESOURCE, ActorFailed
 
 SMALL = [*TINY, "batch_size=4", "num_generations=4", "rl_runtime=mcjax_da"]
