@@ -106,7 +106,7 @@ def test_a_killed_rollout_raylet_ends_the_run_named_within_60s(tmp_path, four_no
         actors = da_cluster.Cluster.start(cfg, hosts=len(nodes), devices_per_host=1)
         try:
             steps = disaggregated.training_steps(cfg, actors)
-            victim = next(steps)["rollout_nodes"][1]
+            victim = next(steps).values["rollout_nodes"][1]
             cluster.remove_node(nodes[victim], allow_graceful=False)
             t0 = time.monotonic()
             with pytest.raises(ActorFailed, match="rollout-1: its process died"):

@@ -8,8 +8,9 @@ import dataclasses
 import numpy as np
 
 from tunix_mcjax.config import Config
-from tunix_mcjax.runtime import ray_cluster
+from tunix_mcjax.runtime import ray_cluster, reporting
 from tunix_mcjax.runtime.ray_actors import RolloutWorker, TrainerWorker
+from tunix_mcjax.runtime.recovery import Preempted
 
 
 @dataclasses.dataclass
@@ -23,6 +24,8 @@ class Cluster:
     rollouts: list
     restarts: list[int] = dataclasses.field(default_factory=list)  # per rollout actor
     first_step: int = 0  # 0, or the step after the checkpoint the trainers resumed from
+    resume: dict | None = None  # `resumed()`'s answer, once asked
+    last_checkpoint: str = ""  # what the trainers last saved, in words
 
     @classmethod
     def start(cls, cfg: Config, hosts: int, devices_per_host: int) -> Cluster:
@@ -61,21 +64,46 @@ class Cluster:
         return ray_cluster.wait_all(calls, timeout, what)
 
     def resumed(self) -> dict:
-        """Where the trainers start (`TrainerWorker.resumed`); sets `first_step`."""
-        out = self.wait({f"trainer-{r}": t.resumed.remote() for r, t in enumerate(self.trainers)},
-                        "restore", compiles=True)["trainer-0"]
-        self.first_step = out["start_step"]
-        return out
+        """Where the trainers start (`TrainerWorker.resumed`, asked once); sets `first_step`."""
+        if self.resume is None:
+            self.resume = self.wait({f"trainer-{r}": t.resumed.remote()
+                                     for r, t in enumerate(self.trainers)},
+                                    "restore", compiles=True)["trainer-0"]
+            self.first_step = self.resume["start_step"]
+            self.last_checkpoint = self.resume["checkpoint"]
+        return self.resume
 
-    def save(self, step: int, nonfinite_steps: int) -> str:
-        """Every trainer saves the state after update `step`; what was last saved."""
-        return self.wait({f"trainer-{r}": t.save.remote(step, nonfinite_steps)
-                          for r, t in enumerate(self.trainers)},
-                         f"checkpoint step {step}", compiles=False)["trainer-0"]
+    def save(self, step: int, nonfinite_steps: int) -> None:
+        """Every trainer saves the state after update `step`; sets `last_checkpoint`."""
+        self.last_checkpoint = self.wait({f"trainer-{r}": t.save.remote(step, nonfinite_steps)
+                                          for r, t in enumerate(self.trainers)},
+                                         f"checkpoint step {step}", compiles=False)["trainer-0"]
 
     def close_checkpoints(self) -> None:
-        self.wait({f"trainer-{r}": t.close_checkpoints.remote()
-                   for r, t in enumerate(self.trainers)}, "checkpoint close", compiles=False)
+        if self.cfg.enable_checkpointing:
+            self.wait({f"trainer-{r}": t.close_checkpoints.remote()
+                       for r, t in enumerate(self.trainers)}, "checkpoint close", compiles=False)
+
+    def stopped(self, step: int) -> Preempted:
+        """The driver's SIGTERM: the saves closed, what ends the run after `step`."""
+        self.close_checkpoints()
+        return Preempted(f"mcjax_da: SIGTERM to the driver; stopped after step {step}; "
+                         f"{self.last_checkpoint}. Rerun the same command to resume.")
+
+    def summary(self, records: list[dict]) -> dict | None:
+        """The colocated summary (`reporting.write_summary`) plus the split, the restarts and
+        the node of each actor."""
+        hosts = len(self.trainers) + len(self.rollouts)
+        if not records:
+            return reporting.write_summary(self.cfg, records, hosts, self.devices_per_host, 0)
+        last = records[-1]
+        nodes = {**{f"trainer-{r}": n for r, n in enumerate(last["trainer_nodes"])},
+                 **{f"rollout-{r}": n for r, n in enumerate(last["rollout_nodes"])}}
+        return reporting.write_summary(
+            self.cfg, records, hosts, self.devices_per_host, last["nonfinite_steps"],
+            runtime="mcjax_da", trainer_hosts=len(self.trainers),
+            rollout_hosts=len(self.rollouts), rollout_restarts=last["rollout_restarts"],
+            actor_nodes=nodes)
 
     def publish_first(self) -> dict:
         out = self.wait({f"trainer-{r}": t.publish.remote() for r, t in enumerate(self.trainers)},
