@@ -23,7 +23,7 @@ from ray.cluster_utils import Cluster
 
 from tests.mp import REPO, TINY, read_jsonl
 from tunix_mcjax.config import load_config
-from tunix_mcjax.runtime import disaggregated
+from tunix_mcjax.runtime import da_cluster, disaggregated
 from tunix_mcjax.runtime.ray_cluster import HOST_RESOURCE, ActorFailed
 
 NODE_ARGS = {"num_cpus": 1, "resources": {HOST_RESOURCE: 1}, "object_store_memory": 96 << 20}
@@ -103,10 +103,10 @@ def test_a_killed_rollout_raylet_ends_the_run_named_within_60s(tmp_path, four_no
     try:
         cfg = load_config(None, [*TINY, "batch_size=4", "num_generations=4", "steps=8",
                                  "rl_runtime=mcjax_da", f"base_output_directory={tmp_path}"])
-        actors = disaggregated.Cluster.start(cfg, hosts=len(nodes), devices_per_host=1)
+        actors = da_cluster.Cluster.start(cfg, hosts=len(nodes), devices_per_host=1)
         try:
             steps = disaggregated.training_steps(cfg, actors)
-            victim = next(steps)["rollout_nodes"][1]
+            victim = next(steps).values["rollout_nodes"][1]
             cluster.remove_node(nodes[victim], allow_graceful=False)
             t0 = time.monotonic()
             with pytest.raises(ActorFailed, match="rollout-1: its process died"):

@@ -1,8 +1,8 @@
 """rl_runtime=mcjax_da on a real local Ray cluster (one per module): trainer actors in one
 jax.distributed group, rollout actors with their own engines, weights through the object store.
 
-The driver runs in the test process (`disaggregated.training_steps` yields each applied step),
-so a test can kill an actor's process between steps, as a crash would.
+The driver runs in the test process (`disaggregated.training_steps` yields each applied step's
+record), so a test can kill an actor's process between steps, as a crash would.
 """
 
 from __future__ import annotations
@@ -21,7 +21,8 @@ from tests.mp import REPO, TINY, read_jsonl
 from tunix_mcjax import launch
 from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.runtime import disaggregated
-from tunix_mcjax.runtime.disaggregated import Cluster, training_steps
+from tunix_mcjax.runtime.da_cluster import Cluster
+from tunix_mcjax.runtime.disaggregated import training_steps
 from tunix_mcjax.runtime.ray_cluster import HOST_RESOURCE, ActorFailed
 
 SMALL = [*TINY, "batch_size=4", "num_generations=4", "rl_runtime=mcjax_da"]
@@ -52,7 +53,7 @@ def test_two_trainers_one_group_staleness_one_and_one_put_per_publish(tmp_path):
     cluster = Cluster.start(cfg, hosts=4, devices_per_host=1)
     try:
         steps = training_steps(cfg, cluster)
-        records = [next(steps) for _ in range(4)]
+        records = [next(steps).values for _ in range(4)]
         for r in records:
             t = r["step"]
             assert r["trainer_processes"] == 2 and r["trained_on"] == t
@@ -80,9 +81,12 @@ def test_two_trainers_one_group_staleness_one_and_one_put_per_publish(tmp_path):
 def test_demo_on_half_the_hosts_learns_in_ten_steps(tmp_path):
     cfg = load_config(REPO / "recipes/cpu/demo.yml", [
         "rl_runtime=mcjax_da", "rl_trainer_hosts_fraction=0.5", "steps=10",
-        f"base_output_directory={tmp_path}"])
+        "rl_async_metrics_export=true", f"base_output_directory={tmp_path}"])
     summary = disaggregated.run(cfg, hosts=2, devices_per_host=2)
-    reward = [r["reward_mean"] for r in read_jsonl(tmp_path / "demo" / "steps.jsonl")]
+    # O1: the driver's export hook writes on its background thread; every step arrives.
+    steps = read_jsonl(tmp_path / "demo" / "steps.jsonl")
+    assert [r["step"] for r in steps] == list(range(10))
+    reward = [r["reward_mean"] for r in steps]
     print("reward by step:", np.round(reward, 3).tolist())
     assert summary["steps"] == 10 and summary["trainer_hosts"] == summary["rollout_hosts"] == 1
     assert np.mean(reward[-3:]) > np.mean(reward[:3])
@@ -95,7 +99,7 @@ def test_skipped_nonfinite_update_publishes_nothing_new(tmp_path):
     cfg = config(tmp_path, "steps=4", "max_nonfinite_steps=5", OVERFLOWS)
     cluster = Cluster.start(cfg, hosts=2, devices_per_host=1)
     try:
-        records = list(training_steps(cfg, cluster))
+        records = [r.values for r in training_steps(cfg, cluster)]
     finally:
         cluster.close()
     assert [r["finite"] for r in records] == [1.0, 0.0, 0.0, 0.0]
@@ -143,7 +147,7 @@ def test_sigterm_saves_after_the_step_in_flight_exits_143_and_a_new_driver_resum
                                                       "rl_gc_freeze_after_warmup=true"])
     cluster = Cluster.start(cfg, hosts=2, devices_per_host=1)
     try:
-        resumed = list(training_steps(cfg, cluster))
+        resumed = [r.values for r in training_steps(cfg, cluster)]
     finally:
         cluster.close()
     assert [r["step"] for r in resumed] == [last + 1, last + 2]
@@ -203,9 +207,9 @@ def test_dead_rollout_restarted_once_then_ends_the_run_within_60s(tmp_path):
     cluster = Cluster.start(cfg, hosts=2, devices_per_host=1)
     try:
         steps = training_steps(cfg, cluster)
-        records = [next(steps)]
+        records = [next(steps).values]
         kill_process(cluster.rollouts[0])
-        records += [next(steps) for _ in range(3)]
+        records += [next(steps).values for _ in range(3)]
         assert [r["step"] for r in records] == [0, 1, 2, 3]
         assert records[-1]["rollout_restarts"] == 1
         assert [r["staleness"] for r in records[1:]] == [[1]] * 3

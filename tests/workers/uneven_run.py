@@ -12,7 +12,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from tests.workers.common import start
-from tunix_mcjax.runtime import colocated
+from tunix_mcjax.runtime import colocated, phases
 
 
 class ShortOnHost1:
@@ -34,7 +34,7 @@ def main() -> None:
     cfg, topo = start()
 
     def factory(*args):
-        return ShortOnHost1(colocated.default_engine(*args), topo.host)
+        return ShortOnHost1(phases.default_engine(*args), topo.host)
 
     rt = colocated.ColocatedRuntime(cfg, topo, engine_factory=factory)
     rt.run()

@@ -26,9 +26,6 @@ SPLIT_TOLERANCE = 0.05  # hosts: 0.33 of 3 hosts is 1 trainer host
 # What rl_runtime=mcjax_da does not do (yet), with the fix.
 DA_REFUSED = {
     "profiler": "the JAX profiler is wired into the colocated step only",
-    "rl_async_metrics_export": "O1 moves the colocated metrics barrier off the step; "
-                               "disaggregated metrics are written by the Ray driver, off every "
-                               "actor's step already",
     "rl_balance_by_expected_output": "the output-length history lives in the colocated runtime",
 }
 
@@ -214,6 +211,8 @@ def disaggregated_split(cfg: Keys, num_hosts: int) -> tuple[int, int]:
 
 def check_topology(cfg: Keys, num_hosts: int, local_devices: int) -> None:
     """Divisibility rules that need the cluster shape. Raises ConfigError."""
+    if cfg.rl_runtime == "single" and num_hosts > 1:
+        raise ConfigError("rl_runtime=single runs in one process: use --hosts 1")
     if cfg.rl_runtime == "mcjax_da":
         disaggregated_split(cfg, num_hosts)
         num_hosts = 1  # the global batch is split over rollout hosts, checked above

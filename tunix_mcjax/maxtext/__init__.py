@@ -132,7 +132,7 @@ def build_components(config: Any, tokenizer: Any, topo: topology.Topology,
 
     from tunix_mcjax.maxtext import agentic, data, policy
     from tunix_mcjax.maxtext.evaluation import MaxTextEvaluator
-    from tunix_mcjax.runtime.colocated import Components
+    from tunix_mcjax.runtime.components import Components
 
     train_rows, test_rows = data.dataset_rows(config, tokenizer)
     task = data.maxtext_task(config, train_rows)

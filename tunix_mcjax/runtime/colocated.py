@@ -10,24 +10,22 @@ parts, as a benchmark arm. The phases are `runtime.phases`'; this module is thei
 
 from __future__ import annotations
 
-import gc
+import functools
 import time
 from collections.abc import Callable
 
 from tunix_mcjax import metrics, topology
-from tunix_mcjax.config import Config, ConfigError
+from tunix_mcjax.config import Config
 from tunix_mcjax.engine import Engine
 from tunix_mcjax.profiler import StepProfiler
 from tunix_mcjax.publish import Publisher
 from tunix_mcjax.runtime import dynamic_sampling, evaluation, phases, recovery, reporting
-from tunix_mcjax.runtime.components import Components, build, default_components
+from tunix_mcjax.runtime.components import Components, build, rollout_phases
+from tunix_mcjax.runtime.loop import StepEnd, StepLoop, add_host_hooks
 from tunix_mcjax.runtime.phases import default_engine
 from tunix_mcjax.runtime.records import HostRecord
 from tunix_mcjax.runtime.stepmath import LengthHistory
 from tunix_mcjax.trainer import Trainer
-
-EngineFactory = Callable[..., Engine]
-__all__ = ["ColocatedRuntime", "Components", "default_components", "default_engine", "run"]
 
 
 class ColocatedRuntime:
@@ -35,7 +33,7 @@ class ColocatedRuntime:
 
     def __init__(self, cfg: Config, topo: topology.Topology,
                  components: Components | Callable[[], Components] | None = None,
-                 engine_factory: EngineFactory = default_engine):
+                 engine_factory: Callable[..., Engine] = default_engine):
         """`components`: prebuilt, or a function that builds them (run under the watchdog)."""
         cfg.validate_topology(topo.num_hosts, len(topo.local_devices))
         self.cfg, self.topo = cfg, topo
@@ -47,14 +45,7 @@ class ColocatedRuntime:
                                    tx=parts.optimizer)
         self.engine = engine_factory(cfg, parts.engine_model_config, list(topo.local_devices),
                                      self.prompts.pad_id, self.prompts.eos_ids)
-        if cfg.use_agentic_rollout:
-            from tunix_mcjax.agentic.phases import AgenticRollouts
-
-            self.rollouts = AgenticRollouts(cfg, self.prompts, self.engine, topo.num_hosts,
-                                            topo.host, parser=parts.chat_parser)
-        else:
-            self.rollouts = phases.RolloutPhases(cfg, self.prompts, self.engine, topo.num_hosts,
-                                                 topo.host)
+        self.rollouts = rollout_phases(cfg, self.prompts, self.engine, topo, parts.chat_parser)
         self.train = phases.TrainPhase(self.trainer, self.watchdog, cfg.num_iterations)
         self.publisher = Publisher(parts.mesh, cfg.rl_publish_weights_single_call)
         self.evaluation = evaluation.EvalSchedule.on_hosts(cfg, parts.evaluator, topo,
@@ -66,8 +57,8 @@ class ColocatedRuntime:
                                            self.nonfinite)
         with self.watchdog.guard("publish", compiles=True):
             phases.publish(self.publisher, self.trainer, self.engine)
-        self.reporter = reporting.Reporter(cfg, topo, self.start_step)
-        self.profiler = StepProfiler(cfg, topo.host, self.start_step)
+        self.loop = self._loop()
+        self.reporter = reporting.Reporter(cfg, topo, self.start_step, self.loop.record)
         self.compiles = reporting.CompileWatch(
             lambda: self.engine.compile_count + self.trainer.compile_count)
 
@@ -103,19 +94,33 @@ class ColocatedRuntime:
             rollout, self.topo.host, timer.total(), timer.seconds,
             {**result.metrics, "nonfinite_steps": self.nonfinite.count, **sampled},
             compiled=self.compiles.grew(), rows_per_device=k, train_compiled=result.compiled)
-        record.eval = self._evaluate_after(step)
         self.reporter.host_step(record)
 
-    def _evaluate_after(self, step: int) -> dict | None:
-        """The evaluations due after `step`, kept out of its wall period and compile count."""
+    def _evaluate_after(self, end: StepEnd) -> None:
+        """The evaluations due after the step, in its host record, kept out of its wall period
+        and compile count."""
         t0 = time.perf_counter()
-        out = self.evaluation.after_step(step, self.engine).get("eval")
-        self.reporter.exclude(step, time.perf_counter() - t0)
+        self.reporter.pending.eval = self.evaluation.after_step(end.step, self.engine).get("eval")
+        self.reporter.exclude(end.step, time.perf_counter() - t0)
         self.compiles.reset()
-        return out
 
-    def _train_state(self) -> dict:
-        return recovery.train_state(self.trainer, self.history, self.nonfinite)
+    def _loop(self) -> StepLoop:
+        """The shared loop with this mode's hooks; host 0 also exports the global records."""
+        cfg = self.cfg
+        loop = StepLoop(cfg.steps, topology.preemption_noticed, self._preempted)
+        loop.add_hook(self._evaluate_after)  # first: the step's record waits for it
+        self.profiler = StepProfiler(cfg, self.topo.host, self.start_step)
+        state = functools.partial(recovery.train_state, self.trainer, self.history, self.nonfinite)
+        add_host_hooks(loop, cfg, lambda step: self.state.save(step, state), self.profiler,
+                       gc_freeze=cfg.rl_gc_freeze_after_warmup)
+        self.export = reporting.StepExport(cfg, self.start_step) if self.topo.is_leader else None
+        if self.export is not None:
+            loop.add_record_hook(self.export)
+        return loop
+
+    def _preempted(self, step: int) -> recovery.Preempted:
+        self.reporter.flush(self.watchdog)  # the step's record before the end
+        return recovery.preempted(self.topo.host, step, self.state)
 
     def run(self) -> dict | None:
         """All steps, then host 0 writes and returns summary.json.
@@ -125,36 +130,19 @@ class ColocatedRuntime:
         """
         try:
             self.evaluation.before_training(self.engine, self.start_step)
-            for step in range(self.start_step, self.cfg.steps):
-                self.profiler.before_step(step)
-                self.step(step)
-                self.profiler.after_step(step)
-                preempted = topology.preemption_noticed(step)
-                if preempted or self.state.due(step):
-                    if preempted:
-                        self.reporter.flush(self.watchdog)  # the step's record before the end
-                    self.state.save(step, self._train_state)
-                if preempted:
-                    raise recovery.preempted(self.topo.host, step, self.state)
-                if step == self.start_step and self.cfg.rl_gc_freeze_after_warmup:
-                    freeze_gc()
+            self.loop.run(self.start_step, self.step)
             self.reporter.flush(self.watchdog)
             self.state.close()
         finally:
             self.profiler.close()
             self.reporter.close()
-        return self.reporter.summary(self.nonfinite.count) if self.topo.is_leader else None
-
-
-def freeze_gc() -> None:
-    """O2: collect once, move survivors to the permanent generation, stop automatic GC."""
-    gc.collect()
-    gc.freeze()
-    gc.disable()
+            if self.export is not None:
+                self.export.close()
+        if self.export is None:
+            return None
+        return reporting.write_summary(self.cfg, self.export.records, self.topo.num_hosts,
+                                       len(self.topo.local_devices), self.nonfinite.count)
 
 
 def run(cfg: Config, topo: topology.Topology | None = None) -> dict | None:
-    topo = topo or topology.current()
-    if topo.num_hosts > 1 and cfg.rl_runtime == "single":
-        raise ConfigError("rl_runtime=single runs in one process: use --hosts 1")
-    return ColocatedRuntime(cfg, topo).run()
+    return ColocatedRuntime(cfg, topo or topology.current()).run()

@@ -11,7 +11,7 @@ import jax
 from tunix_mcjax import models, topology
 from tunix_mcjax.config import Config
 from tunix_mcjax.runtime.evaluation import task_evaluator
-from tunix_mcjax.runtime.phases import Prompts
+from tunix_mcjax.runtime.phases import Prompts, RolloutPhases
 from tunix_mcjax.tasks import Task, load_task
 from tunix_mcjax.tokenizer import load_tokenizer
 from tunix_mcjax.trainer import Policy, qwen3_policy
@@ -63,3 +63,14 @@ def build(cfg: Config, topo: topology.Topology,
         with watchdog.guard("build", compiles=True):
             components = default_components(cfg, topo, tokenizer, prompts.task)
     return components, prompts
+
+
+def rollout_phases(cfg: Config, prompts: Prompts, engine: Any, topo: topology.Topology,
+                   chat_parser: Any = None) -> RolloutPhases:
+    """This host's rollout phases on its engine: multi-turn (use_agentic_rollout) or one turn."""
+    if cfg.use_agentic_rollout:
+        from tunix_mcjax.agentic.phases import AgenticRollouts
+
+        return AgenticRollouts(cfg, prompts, engine, topo.num_hosts, topo.host,
+                               parser=chat_parser)
+    return RolloutPhases(cfg, prompts, engine, topo.num_hosts, topo.host)

@@ -25,10 +25,7 @@ and seed. A step's update is recorded only once every trainer finished it. A ski
 
 from __future__ import annotations
 
-import dataclasses
-import json
 import signal
-import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -39,8 +36,10 @@ import ray
 from tunix_mcjax import metrics
 from tunix_mcjax.config import Config
 from tunix_mcjax.runtime import evaluation, ray_cluster, reporting
-from tunix_mcjax.runtime.ray_actors import RolloutWorker, TrainerWorker
-from tunix_mcjax.runtime.recovery import NonFinitePolicy, Preempted
+from tunix_mcjax.runtime.da_cluster import Cluster
+from tunix_mcjax.runtime.loop import StepLoop, add_host_hooks
+from tunix_mcjax.runtime.records import StepRecord
+from tunix_mcjax.runtime.recovery import NonFinitePolicy
 
 # What a step record repeats from the trainer leader's result.
 TRAIN_FIELDS = ("trained_on", "version", "batch_versions", "trainer_processes", "puts",
@@ -48,142 +47,26 @@ TRAIN_FIELDS = ("trained_on", "version", "batch_versions", "trainer_processes", 
                 "finite", "trainer_nodes")
 
 
-@dataclasses.dataclass
-class Cluster:
-    """The run's actors and what the driver knows about them."""
-
-    cfg: Config
-    devices_per_host: int
-    placement: ray_cluster.Placement
-    trainers: list
-    rollouts: list
-    restarts: list[int] = dataclasses.field(default_factory=list)  # per rollout actor
-    first_step: int = 0  # 0, or the step after the checkpoint the trainers resumed from
-
-    @classmethod
-    def start(cls, cfg: Config, hosts: int, devices_per_host: int) -> Cluster:
-        """Trainers on bundles 0..T-1 (one jax.distributed group, coordinator on bundle 0's
-        node), rollouts on the rest: one host each."""
-        num_trainers, num_rollouts = cfg.disaggregated_split(hosts)
-        placement = ray_cluster.Placement.create(hosts, cfg.collective_timeout_s)
-        try:
-            coordinator = placement.coordinator(cfg.compile_timeout_s)
-        except BaseException:
-            placement.remove()
-            raise
-        print(f"mcjax_da: {num_trainers} trainer and {num_rollouts} rollout hosts on "
-              f"{'one node per host' if placement.spread else 'this node'}; trainers' "
-              f"jax.distributed coordinator {coordinator[0]}:{coordinator[1]}", flush=True)
-        trainers = [ray_cluster.spawn(TrainerWorker, placement, rank, ray_cluster.actor_env(
-            devices_per_host, rank, num_trainers, coordinator), cfg, rank)
-            for rank in range(num_trainers)]
-        cluster = cls(cfg, devices_per_host, placement, trainers, [])
-        cluster.rollouts = [cluster._rollout(r, num_rollouts) for r in range(num_rollouts)]
-        cluster.restarts = [0] * num_rollouts
-        return cluster
-
-    def _rollout(self, index: int, num_rollouts: int):
-        env = ray_cluster.actor_env(self.devices_per_host)
-        return ray_cluster.spawn(RolloutWorker, self.placement, len(self.trainers) + index, env,
-                                 self.cfg, index, num_rollouts)
-
-    def close(self) -> None:
-        ray_cluster.kill(self.trainers + self.rollouts)
-        self.placement.remove()
-
-    def wait(self, calls: dict, what: str, compiles: bool) -> dict:
-        cfg = self.cfg
-        timeout = cfg.compile_timeout_s if compiles else cfg.collective_timeout_s
-        return ray_cluster.wait_all(calls, timeout, what)
-
-    def resumed(self) -> dict:
-        """Where the trainers start (`TrainerWorker.resumed`); sets `first_step`."""
-        out = self.wait({f"trainer-{r}": t.resumed.remote() for r, t in enumerate(self.trainers)},
-                        "restore", compiles=True)["trainer-0"]
-        self.first_step = out["start_step"]
-        return out
-
-    def save(self, step: int, nonfinite_steps: int) -> str:
-        """Every trainer saves the state after update `step`; what was last saved."""
-        return self.wait({f"trainer-{r}": t.save.remote(step, nonfinite_steps)
-                          for r, t in enumerate(self.trainers)},
-                         f"checkpoint step {step}", compiles=False)["trainer-0"]
-
-    def close_checkpoints(self) -> None:
-        self.wait({f"trainer-{r}": t.close_checkpoints.remote()
-                   for r, t in enumerate(self.trainers)}, "checkpoint close", compiles=False)
-
-    def publish_first(self) -> dict:
-        out = self.wait({f"trainer-{r}": t.publish.remote() for r, t in enumerate(self.trainers)},
-                        "publish", compiles=True)
-        return out["trainer-0"]
-
-    def generate(self, step: int, version: int, weights: list, only: int | None = None
-                 ) -> dict[int, tuple]:
-        """{rollout: (batch ref, record ref)} of step `step` with policy `version`."""
-        return {r: a.generate.options(num_returns=2).remote(step, version, weights)
-                for r, a in enumerate(self.rollouts) if only in (None, r)}
-
-    def collect(self, step: int, pending: dict[int, tuple], version: int, weights: list
-                ) -> tuple[list, list[dict]]:
-        """(batch refs, records) of step `step`; a dead rollout actor is replaced while restarts
-        last, and its batch regenerated with the same version and seed."""
-        compiles = step <= self.first_step + 1
-        while True:
-            try:
-                records = self.wait({f"rollout-{r}": refs[1] for r, refs in pending.items()},
-                                    f"generate step {step}", compiles=compiles)
-                return [pending[r][0] for r in sorted(pending)], [
-                    records[f"rollout-{r}"] for r in sorted(pending)]
-            except ray_cluster.ActorFailed as e:
-                index = int(e.name.removeprefix("rollout-")) if e.name.startswith(
-                    "rollout-") and "," not in e.name else None
-                if not e.died or index is None or \
-                        self.restarts[index] >= self.cfg.rl_rollout_restarts:
-                    raise
-                self.restarts[index] += 1
-                print(f"mcjax_da: {e}; restarting it ({self.restarts[index]} of "
-                      f"rl_rollout_restarts={self.cfg.rl_rollout_restarts}) to regenerate step "
-                      f"{step}", flush=True)
-                ray_cluster.kill([self.rollouts[index]])
-                self.rollouts[index] = self._rollout(index, len(self.rollouts))
-                pending.update(self.generate(step, version, weights, only=index))
-                compiles = True  # the new actor builds and compiles its engine first
-
-    def eval_sums(self, policy: tuple[int, list], steps_done: int, compiles: bool
-                  ) -> np.ndarray:
-        """[rollouts, SUM_FIELDS]: every rollout actor's evaluation sums with `policy`
-        ((version, weights)), after the calls queued before it."""
-        calls = {f"rollout-{r}": a.evaluate.remote(steps_done, *policy)
-                 for r, a in enumerate(self.rollouts)}
-        out = self.wait(calls, f"evaluation after {steps_done} steps", compiles=compiles)
-        return np.stack([out[f"rollout-{r}"] for r in range(len(self.rollouts))])
-
-    def train(self, step: int, batches: list) -> dict:
-        """Starts update `step` on every trainer (trainer r gets its contiguous share of the
-        batches); `finish_train` waits for it."""
-        share = len(batches) // len(self.trainers)
-        return {f"trainer-{r}": t.train.remote(step, *batches[r * share:(r + 1) * share])
-                for r, t in enumerate(self.trainers)}
-
-    def finish_train(self, step: int, calls: dict) -> dict:
-        """The leader's result with every trainer's batch versions, once all applied the
-        update."""
-        out = self.wait(calls, f"train step {step}", compiles=step <= self.first_step + 1)
-        ranks = range(len(self.trainers))
-        versions = [v for r in ranks for v in out[f"trainer-{r}"]["batch_versions"]]
-        return {**out["trainer-0"], "batch_versions": versions,
-                "trainer_nodes": [out[f"trainer-{r}"]["node_id"] for r in ranks]}
+def training_steps(cfg: Config, cluster: Cluster, stop: threading.Event | None = None,
+                   record_hooks: tuple = ()) -> Iterator[StepRecord]:
+    """The schedule under the shared loop (`loop.StepLoop`): yields each applied step's record
+    once its hooks ran: `record_hooks` (the driver's export), then a checkpoint every
+    checkpoint_period steps and at the last; once `stop` is set (the driver's SIGTERM), a save
+    at the step just applied, then `Preempted`."""
+    nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps)
+    nonfinite.count = cluster.resumed()["nonfinite_steps"]
+    loop = StepLoop(cfg.steps, lambda _: stop is not None and stop.is_set(), cluster.stopped)
+    for hook in record_hooks:
+        loop.add_record_hook(hook)
+    add_host_hooks(loop, cfg, lambda step: cluster.save(step, nonfinite.count))
+    yield from loop.follow(cluster.first_step, schedule(cfg, cluster, nonfinite))
+    cluster.close_checkpoints()
 
 
-def training_steps(cfg: Config, cluster: Cluster, stop: threading.Event | None = None
-                   ) -> Iterator[dict]:
-    """The one-step-stale schedule from the trainers' resume step; yields each step's global
-    record once it is applied. Checkpoints are saved every checkpoint_period steps and at the
-    last; once `stop` is set (the driver's SIGTERM), at the step just applied, and then
-    `Preempted` is raised."""
-    resumed = cluster.resumed()
-    last_checkpoint = resumed["checkpoint"]
+def schedule(cfg: Config, cluster: Cluster, nonfinite: NonFinitePolicy
+             ) -> Iterator[StepRecord]:
+    """The one-step-stale schedule from the trainers' resume step: each step's global record
+    once every trainer applied it, with the evaluations due after it."""
     published = cluster.publish_first()
     version, weights = published["version"], published["weights"]  # the last published
     behaviour = (version, weights)  # the version the pending batch is generated with
@@ -193,8 +76,6 @@ def training_steps(cfg: Config, cluster: Cluster, stop: threading.Event | None =
         cluster.eval_sums)
     evals.before_training(behaviour, cluster.first_step)
     pending = cluster.generate(cluster.first_step, *behaviour)
-    nonfinite = NonFinitePolicy(cfg.max_nonfinite_steps)
-    nonfinite.count = resumed["nonfinite_steps"]
     for step in range(cluster.first_step, cfg.steps):
         start = time.perf_counter()
         batches, rollouts = cluster.collect(step, pending, *behaviour)
@@ -203,23 +84,12 @@ def training_steps(cfg: Config, cluster: Cluster, stop: threading.Event | None =
             behaviour = (version, weights)
             pending = cluster.generate(step + 1, *behaviour)
         train = cluster.finish_train(step, training)
-        nonfinite.applied(step, train, last_checkpoint)
+        nonfinite.applied(step, train, cluster.last_checkpoint)
         version, weights = train["version"], train["weights"]
         record = step_record(step, rollouts, train, sum(cluster.restarts), nonfinite.count,
                              time.perf_counter() - start)
         record.update(evals.after_step(step, (version, weights)))
-        yield record
-        preempted = stop is not None and stop.is_set()
-        if cfg.enable_checkpointing and (preempted or step == cfg.steps - 1
-                                         or (step + 1) % cfg.checkpoint_period == 0):
-            last_checkpoint = cluster.save(step, nonfinite.count)
-        if preempted:
-            if cfg.enable_checkpointing:
-                cluster.close_checkpoints()
-            raise Preempted(f"mcjax_da: SIGTERM to the driver; stopped after step {step}; "
-                            f"{last_checkpoint}. Rerun the same command to resume.")
-    if cfg.enable_checkpointing:
-        cluster.close_checkpoints()
+        yield StepRecord(step, record)
 
 
 def step_record(step: int, rollouts: list[dict], train: dict, restarts: int,
@@ -241,7 +111,7 @@ def step_record(step: int, rollouts: list[dict], train: dict, restarts: int,
     return rec
 
 
-def run(cfg: Config, hosts: int | None, devices_per_host: int) -> dict:
+def run(cfg: Config, hosts: int | None, devices_per_host: int) -> dict | None:
     """The whole run from this driver on `hosts` hosts (None: every host the cluster offers);
     writes steps.jsonl and summary.json, returns the summary. Raises `ray_cluster.ActorFailed`
     naming the actor that ended it, ConfigError when the cluster cannot hold the run."""
@@ -255,64 +125,21 @@ def run(cfg: Config, hosts: int | None, devices_per_host: int) -> dict:
             ray.shutdown()
 
 
-def _run(cfg: Config, hosts: int, devices_per_host: int) -> dict:
-    tensorboard = metrics.TensorBoard(cfg.run_dir / "tensorboard", cfg.log_period) \
-        if cfg.enable_tensorboard else None
+def _run(cfg: Config, hosts: int, devices_per_host: int) -> dict | None:
     cluster = Cluster.start(cfg, hosts, devices_per_host)
-    log, stop = None, threading.Event()
+    stop, export = threading.Event(), None
     on_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, lambda *_: stop.set()) if on_main else None
     try:
-        steps = training_steps(cfg, cluster, stop)
-        for rec in steps:
-            if log is None:  # the trainers have said where the run starts
-                log = metrics.JsonlSink(cfg.run_dir / "steps.jsonl", cluster.first_step)
-                records = list(log.kept)
-            records.append(rec)
-            log(rec)
-            if tensorboard is not None:
-                tensorboard.write(rec)
-            if rec["step"] % cfg.log_period == 0 or "eval" in rec:
-                print(metrics.progress_line(rec, f" | staleness {rec['staleness']}"), flush=True)
+        cluster.resumed()  # where the run starts, so the export keeps the steps before it
+        export = reporting.StepExport(cfg, cluster.first_step,
+                                      lambda rec: f" | staleness {rec['staleness']}")
+        for _ in training_steps(cfg, cluster, stop, (export,)):
+            pass
     finally:
         if on_main:
             signal.signal(signal.SIGTERM, previous)
         cluster.close()
-        if log is not None:
-            log.close()
-        if tensorboard is not None:
-            tensorboard.close()
-    return write_summary(cfg, records, hosts, devices_per_host)
-
-
-def write_summary(cfg: Config, records: list[dict], hosts: int, devices_per_host: int) -> dict:
-    """summary.json: the colocated summary's fields (step times over steps that compiled
-    nothing), plus the split and the restarts."""
-    steady = [r for r in records if not r["compiled"]] or records
-    trainers, rollouts = cfg.disaggregated_split(hosts)
-
-    def mean(key: str, part: list[dict]) -> float:
-        return float(np.mean([r[key] for r in part]))
-
-    summary = {
-        "run_name": cfg.run_name, "runtime": "mcjax_da", "hosts": hosts,
-        "trainer_hosts": trainers, "rollout_hosts": rollouts,
-        "devices_per_host": devices_per_host, "steps": len(records),
-        "accuracy_first10": mean("accuracy", records[:10]),
-        "accuracy_last10": mean("accuracy", records[-10:]),
-        "reward_first10": mean("reward_mean", records[:10]),
-        "reward_last10": mean("reward_mean", records[-10:]),
-        "median_step_s": statistics.median(r["step_s"] for r in steady),
-        "phase_median_s": {p: statistics.median(r["phase_s"][p] for r in steady)
-                           for p in metrics.PHASES},
-        "tokens_generated": int(sum(r["tokens_generated"] for r in records)),
-        "compiled_steps": int(sum(r["compiled"] for r in records)),
-        "rollout_restarts": records[-1]["rollout_restarts"],
-        "nonfinite_steps": records[-1]["nonfinite_steps"],
-        "actor_nodes": {**{f"trainer-{r}": n for r, n in enumerate(records[-1]["trainer_nodes"])},
-                        **{f"rollout-{r}": n for r, n in enumerate(records[-1]["rollout_nodes"])}},
-        **evaluation.summary_fields(records),
-    }
-    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    print(reporting.summary_table(summary), flush=True)
-    return summary
+        if export is not None:
+            export.close()
+    return cluster.summary(export.records)

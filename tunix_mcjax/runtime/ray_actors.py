@@ -30,7 +30,7 @@ from tunix_mcjax import metrics, models, topology
 from tunix_mcjax.config import Config
 from tunix_mcjax.publish import nest, tree_bytes
 from tunix_mcjax.runtime import components, evaluation, phases, recovery
-from tunix_mcjax.runtime.colocated import freeze_gc
+from tunix_mcjax.runtime.loop import freeze_gc
 from tunix_mcjax.runtime.records import HostRecord, Rollout
 from tunix_mcjax.runtime.stepmath import LengthHistory
 from tunix_mcjax.tasks import load_task

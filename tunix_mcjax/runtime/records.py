@@ -1,5 +1,6 @@
 """Typed records of a step: what admission picked, what one host's rollout produced (the unit
-a trainer packs, in either mode), and the per-host step record that is written and sent."""
+a trainer packs, in either mode), the per-host step record that is written and sent, and the
+global step record both modes produce."""
 
 from __future__ import annotations
 
@@ -123,3 +124,22 @@ class HostRecord:
 
     def vector(self) -> np.ndarray:
         return metrics.host_vector(self.to_json())
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRecord:
+    """One step's global record, in either mode: `values` is the line of steps.jsonl."""
+
+    step: int
+    values: dict[str, Any]
+
+    @property
+    def compiled(self) -> bool:
+        return bool(self.values["compiled"])
+
+    @property
+    def eval(self) -> dict[str, Any] | None:
+        return self.values.get("eval")
+
+    def to_json(self) -> dict[str, Any]:
+        return self.values

@@ -3,8 +3,9 @@
 A step's host record is written when the step ends; its numbers reach host 0 with the next
 step's exchange (`exchange.py`), or with a metrics-only exchange at the end of the run or on
 preemption, so no step ends in a metrics barrier. Host 0 then builds the global record and
-exports it: inline (as Tunix's loop does) or, with O1 (`rl_async_metrics_export`), on a
-background thread.
+hands it to the step loop's record hooks; `StepExport` (either mode's) writes it: inline (as
+Tunix's loop does) or, with O1 (`rl_async_metrics_export`), on a background thread. One summary
+writer (`write_summary`) serves both modes.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import numpy as np
 from tunix_mcjax import metrics, topology
 from tunix_mcjax.config import Config
 from tunix_mcjax.runtime import evaluation, exchange
-from tunix_mcjax.runtime.records import HostRecord
+from tunix_mcjax.runtime.records import HostRecord, StepRecord
 
 # Keys of the host record that host 0's global record repeats (its own host's values).
 GLOBAL_FROM_HOST = ("loss", "grad_norm", "kl", "kl_loss", "finite", "nonfinite_steps", "eval")
@@ -41,22 +42,48 @@ class CompileWatch:
         self._seen = self._count()
 
 
-class Reporter:
-    """Writes this host's records; on host 0 also the global records, TensorBoard and the
-    progress lines. Records of steps a resume re-runs are dropped: every step appears once."""
+class StepExport:
+    """The leader's record hook: steps.jsonl, TensorBoard and the progress line, inline or (O1,
+    `rl_async_metrics_export`) on a background thread. `records`: the run's global records,
+    resumed segments included (what the summary covers); a resume's re-run steps appear once."""
 
-    def __init__(self, cfg: Config, topo: topology.Topology, start_step: int):
-        self.cfg, self.topo = cfg, topo
-        run_dir = cfg.run_dir
-        self.host_log = metrics.JsonlSink(run_dir / f"host_{topo.host}.jsonl", start_step)
-        self.step_log = metrics.JsonlSink(run_dir / "steps.jsonl", start_step) \
-            if topo.is_leader else None
-        self.tensorboard = metrics.TensorBoard(run_dir / "tensorboard", cfg.log_period) \
-            if topo.is_leader and cfg.enable_tensorboard else None
-        self.exporter = metrics.Exporter(self._export, cfg.rl_async_metrics_export,
+    def __init__(self, cfg: Config, start_step: int, note: Callable[[dict], str] = lambda _: ""):
+        self.cfg, self.note = cfg, note
+        self.step_log = metrics.JsonlSink(cfg.run_dir / "steps.jsonl", start_step)
+        self.tensorboard = metrics.TensorBoard(cfg.run_dir / "tensorboard", cfg.log_period) \
+            if cfg.enable_tensorboard else None
+        self.records: list[dict] = list(self.step_log.kept)
+        self.exporter = metrics.Exporter(self._write, cfg.rl_async_metrics_export,
                                          cfg.rl_metrics_queue_size)
-        # The summary covers the whole run, resumed segments included.
-        self.step_records: list[dict] = list(self.step_log.kept) if self.step_log else []
+
+    def __call__(self, rec: StepRecord) -> None:
+        self.records.append(rec.to_json())
+        self.exporter.export(rec.to_json())
+
+    def _write(self, record: dict) -> None:
+        self.step_log(record)
+        if self.tensorboard is not None:
+            self.tensorboard.write(record)
+        if record["step"] % self.cfg.log_period == 0 or "eval" in record:
+            print(metrics.progress_line(record, self.note(record)), flush=True)
+
+    def close(self) -> None:
+        self.exporter.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+        self.step_log.close()
+
+
+class Reporter:
+    """Writes this host's records (through O1's exporter when it is on); host 0 forms each
+    step's global record when every host's numbers arrive and hands it to `on_record`."""
+
+    def __init__(self, cfg: Config, topo: topology.Topology, start_step: int,
+                 on_record: Callable[[StepRecord], None]):
+        self.cfg, self.topo, self.on_record = cfg, topo, on_record
+        self.host_log = metrics.JsonlSink(cfg.run_dir / f"host_{topo.host}.jsonl", start_step)
+        self.exporter = metrics.Exporter(self.host_log, cfg.rl_async_metrics_export,
+                                         cfg.rl_metrics_queue_size)
         self.pending: HostRecord | None = None  # the last step's record, not yet global
         self._step_start: dict[int, float] = {}
 
@@ -86,11 +113,10 @@ class Reporter:
             rec["step_s"] = period
             host = record.to_json()
             rec.update({k: host[k] for k in GLOBAL_FROM_HOST if k in host})
-            self.step_records.append(rec)
-            self.exporter.export({"kind": "global", **rec})
+            self.on_record(StepRecord(step, rec))
 
     def host_step(self, record: HostRecord) -> None:
-        self.exporter.export({"kind": "host", **record.to_json()})
+        self.exporter.export(record.to_json())
         self.pending = record
 
     def flush(self, watchdog: topology.Watchdog) -> None:
@@ -99,39 +125,27 @@ class Reporter:
             sent = exchange.HostMessage.metrics_only(self.outgoing())
             self.arrived(exchange.exchange(sent, watchdog, "metrics").metrics)
 
-    def _export(self, record: dict) -> None:
-        kind = record.pop("kind")
-        if kind == "host":
-            self.host_log(record)
-            return
-        self.step_log(record)
-        if self.tensorboard is not None:
-            self.tensorboard.write(record)
-        if record["step"] % self.cfg.log_period == 0 or "eval" in record:
-            print(metrics.progress_line(record), flush=True)
-
     def close(self) -> None:
         self.exporter.close()
-        if self.tensorboard is not None:
-            self.tensorboard.close()
         self.host_log.close()
-        if self.step_log:
-            self.step_log.close()
-
-    def summary(self, nonfinite_steps: int) -> dict | None:
-        """Host 0: writes summary.json and prints its table; None when no step ran."""
-        recs = sorted(self.step_records, key=lambda r: r["step"])
-        if not recs:
-            print(f"nothing to run: the checkpoint already covers steps={self.cfg.steps}")
-            return None
-        summary = summarize(recs, self.cfg, self.topo, nonfinite_steps)
-        (self.cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-        print(summary_table(summary), flush=True)
-        return summary
 
 
-def summarize(recs: list[dict], cfg: Config, topo: topology.Topology,
-              nonfinite_steps: int) -> dict:
+def write_summary(cfg: Config, records: list[dict], hosts: int, devices_per_host: int,
+                  nonfinite_steps: int, **extra) -> dict | None:
+    """The leader: writes summary.json (`summarize`, plus a mode's `extra` fields) and prints its
+    table; None when no step ran."""
+    recs = sorted(records, key=lambda r: r["step"])
+    if not recs:
+        print(f"nothing to run: the checkpoint already covers steps={cfg.steps}")
+        return None
+    summary = summarize(recs, cfg, hosts, devices_per_host, nonfinite_steps, **extra)
+    (cfg.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    print(summary_table(summary), flush=True)
+    return summary
+
+
+def summarize(recs: list[dict], cfg: Config, hosts: int, devices_per_host: int,
+              nonfinite_steps: int, **extra) -> dict:
     """The run's summary from its global records (step times over steps that compiled nothing)."""
     steady = [r for r in recs if not r["compiled"]] or recs
 
@@ -140,8 +154,8 @@ def summarize(recs: list[dict], cfg: Config, topo: topology.Topology,
 
     return {
         "run_name": cfg.run_name,
-        "hosts": topo.num_hosts,
-        "devices_per_host": len(topo.local_devices),
+        "hosts": hosts,
+        "devices_per_host": devices_per_host,
         "steps": len(recs),
         "accuracy_first10": mean("accuracy", recs[:10]),
         "accuracy_last10": mean("accuracy", recs[-10:]),
@@ -153,6 +167,7 @@ def summarize(recs: list[dict], cfg: Config, topo: topology.Topology,
         "tokens_generated": int(sum(r["tokens_generated"] for r in recs)),
         "compiled_steps": int(sum(r["compiled"] for r in recs)),
         "nonfinite_steps": nonfinite_steps,
+        **extra,
         **evaluation.summary_fields(recs),
     }
 

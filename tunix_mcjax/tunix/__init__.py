@@ -172,7 +172,7 @@ def build_components(prep: Run, topo: topology.Topology) -> Any:
     """Tunix Qwen3 from the checkpoint on the global mesh, Tunix's optimizer, the train task
     and the evaluator (a cross-host build: the runtime runs it under its watchdog)."""
     from tunix_mcjax import models
-    from tunix_mcjax.runtime.colocated import Components
+    from tunix_mcjax.runtime.components import Components
     from tunix_mcjax.trainer import qwen3_policy
     from tunix_mcjax.tunix import data
 
