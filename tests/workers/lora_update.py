@@ -23,6 +23,7 @@ from tunix_mcjax.checkpoint import Checkpointer
 from tunix_mcjax.engine import Completion
 from tunix_mcjax.engine.jax_engine import flatten_tree
 from tunix_mcjax.rewards import group_advantages
+from tunix_mcjax.runtime import recovery
 from tunix_mcjax.runtime.colocated import ColocatedRuntime
 from tunix_mcjax.runtime.phases import pack_local
 from tunix_mcjax.trainer import Trainer, qwen3_policy
@@ -122,7 +123,8 @@ def runtime_run(base_cfg, topo, out: dict) -> None:
         for path, leaf in flatten_tree(engine.weights(r)).items()) and \
         len(flatten_tree(engine.weights(0))) == len(want)
     checkpointer = Checkpointer(cfg.checkpoint_dir, cfg.max_num_checkpoints_to_keep)
-    restored = checkpointer.restore(1, runtime._train_state())
+    restored = checkpointer.restore(1, recovery.train_state(
+        trainer, runtime.history, runtime.nonfinite))
     checkpointer.close()
     out["restored_equal"] = _tree_equal(restored["params"], trainer.params) and \
         _tree_equal(restored["opt_state"], trainer.opt_state)

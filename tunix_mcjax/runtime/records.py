@@ -132,14 +132,3 @@ class StepRecord:
 
     step: int
     values: dict[str, Any]
-
-    @property
-    def compiled(self) -> bool:
-        return bool(self.values["compiled"])
-
-    @property
-    def eval(self) -> dict[str, Any] | None:
-        return self.values.get("eval")
-
-    def to_json(self) -> dict[str, Any]:
-        return self.values

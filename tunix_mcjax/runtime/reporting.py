@@ -57,8 +57,8 @@ class StepExport:
                                          cfg.rl_metrics_queue_size)
 
     def __call__(self, rec: StepRecord) -> None:
-        self.records.append(rec.to_json())
-        self.exporter.export(rec.to_json())
+        self.records.append(rec.values)
+        self.exporter.export(rec.values)
 
     def _write(self, record: dict) -> None:
         self.step_log(record)
