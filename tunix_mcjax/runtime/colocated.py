@@ -53,8 +53,8 @@ class ColocatedRuntime:
         self.state = recovery.RunState(cfg, self.watchdog, topo.is_leader)
         self.nonfinite = recovery.NonFinitePolicy(cfg.max_nonfinite_steps)
         self.history = LengthHistory(len(self.prompts.tokens))  # O3's expected output
-        self.start_step = recovery.restore(self.state, self.trainer, self.history,
-                                           self.nonfinite)
+        self.start_step, _ = recovery.restore(self.state, self.trainer, self.history,
+                                              self.nonfinite)
         with self.watchdog.guard("publish", compiles=True):
             phases.publish(self.publisher, self.trainer, self.engine)
         self.loop = self._loop()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+import ray
 
 from tunix_mcjax.config import Config
 from tunix_mcjax.runtime import ray_cluster, reporting
@@ -26,6 +27,8 @@ class Cluster:
     first_step: int = 0  # 0, or the step after the checkpoint the trainers resumed from
     resume: dict | None = None  # `resumed()`'s answer, once asked
     last_checkpoint: str = ""  # what the trainers last saved, in words
+    # The batch the rollouts are making: (its step, {rollout: refs}, its version and weights).
+    in_flight: tuple[int, dict[int, tuple], int, list] | None = None
 
     @classmethod
     def start(cls, cfg: Config, hosts: int, devices_per_host: int) -> Cluster:
@@ -74,10 +77,32 @@ class Cluster:
         return self.resume
 
     def save(self, step: int, nonfinite_steps: int) -> None:
-        """Every trainer saves the state after update `step`; sets `last_checkpoint`."""
-        self.last_checkpoint = self.wait({f"trainer-{r}": t.save.remote(step, nonfinite_steps)
-                                          for r, t in enumerate(self.trainers)},
-                                         f"checkpoint step {step}", compiles=False)["trainer-0"]
+        """Every trainer saves the state after update `step` with the batch in flight for step
+        + 1 (waited for: a resume trains on it, as the run would have); sets
+        `last_checkpoint`."""
+        batch, records = [], []
+        if self.in_flight is not None and self.in_flight[0] == step + 1:
+            batch, records = self.collect(*self.in_flight)
+        self.last_checkpoint = self.wait(
+            {f"trainer-{r}": t.save.remote(step, nonfinite_steps, records, *batch)
+             for r, t in enumerate(self.trainers)},
+            f"checkpoint step {step}", compiles=False)["trainer-0"]
+
+    def restored_batch(self) -> dict[int, tuple] | None:
+        """The batch in flight for the first step when the resumed checkpoint was saved, as
+        `generate`'s refs; None when there is none (a fresh run, a colocated checkpoint) or it
+        was made by another number of rollout hosts."""
+        saved = self.resumed()["in_flight"]
+        if saved is None:
+            return None
+        rollouts, records = saved
+        if len(rollouts) != len(self.rollouts):
+            print(f"mcjax_da: the checkpoint's batch for step {self.first_step} was made by "
+                  f"{len(rollouts)} rollout hosts, this run has {len(self.rollouts)}; "
+                  "regenerating it with the restored policy", flush=True)
+            return None
+        return {r: (ray.put(batch), ray.put(record))
+                for r, (batch, record) in enumerate(zip(rollouts, records, strict=True))}
 
     def close_checkpoints(self) -> None:
         if self.cfg.enable_checkpointing:
@@ -112,9 +137,13 @@ class Cluster:
 
     def generate(self, step: int, version: int, weights: list, only: int | None = None
                  ) -> dict[int, tuple]:
-        """{rollout: (batch ref, record ref)} of step `step` with policy `version`."""
-        return {r: a.generate.options(num_returns=2).remote(step, version, weights)
-                for r, a in enumerate(self.rollouts) if only in (None, r)}
+        """{rollout: (batch ref, record ref)} of step `step` with policy `version`; the whole
+        batch (`only` None) is the one in flight."""
+        calls = {r: a.generate.options(num_returns=2).remote(step, version, weights)
+                 for r, a in enumerate(self.rollouts) if only in (None, r)}
+        if only is None:
+            self.in_flight = (step, calls, version, weights)
+        return calls
 
     def collect(self, step: int, pending: dict[int, tuple], version: int, weights: list
                 ) -> tuple[list, list[dict]]:

@@ -21,6 +21,8 @@ Faults: a dead trainer actor ends the run at once, named; a dead rollout actor t
 `rl_rollout_restarts` allows a new one, which regenerates the lost batch with the same version
 and seed. A step's update is recorded only once every trainer finished it. A skipped
 (non-finite) update publishes nothing: the version and its object stay the last applied one.
+A checkpoint keeps the batch in flight, so a resumed run trains on what the stopped one would
+have: its records equal an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -75,7 +77,8 @@ def schedule(cfg: Config, cluster: Cluster, nonfinite: NonFinitePolicy
         cfg, evaluation.TaskEvaluator.mode if cfg.num_test_batches > 0 else None,
         cluster.eval_sums)
     evals.before_training(behaviour, cluster.first_step)
-    pending = cluster.generate(cluster.first_step, *behaviour)
+    # A resumed run trains first on the batch its checkpoint kept, as the stopped run would have.
+    pending = cluster.restored_batch() or cluster.generate(cluster.first_step, *behaviour)
     for step in range(cluster.first_step, cfg.steps):
         start = time.perf_counter()
         batches, rollouts = cluster.collect(step, pending, *behaviour)

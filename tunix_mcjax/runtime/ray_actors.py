@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import gc
 import os
+import pickle
 import time
 from typing import Any
 
@@ -117,6 +118,20 @@ class RolloutWorker:
             self.engine, evaluation.eval_seed(self.cfg.seed, steps_done, self.index))
 
 
+# A placeholder for the batch in flight at restore: numpy entries restore at their saved shape.
+NO_BATCH = np.zeros(1, np.uint8)
+
+
+def encode_batch(rollouts: list[Rollout], records: list[dict]) -> np.ndarray:
+    """The batch in flight (every rollout actor's `Rollout` and host record, in actor order) as
+    the bytes a checkpoint keeps."""
+    return np.frombuffer(pickle.dumps((rollouts, records), protocol=5), np.uint8)
+
+
+def decode_batch(saved: np.ndarray) -> tuple[list[Rollout], list[dict]]:
+    return pickle.loads(saved.tobytes())
+
+
 class TrainerWorker:
     """One process of the trainers' jax.distributed group: pack, train, publish."""
 
@@ -138,8 +153,9 @@ class TrainerWorker:
         self.state = recovery.RunState(cfg, self.watchdog, self.topo.is_leader)
         self.history = LengthHistory(len(prompts.tokens))  # saved empty, so CO can resume it
         self.nonfinite = recovery.NonFinitePolicy(cfg.max_nonfinite_steps)
-        self.start_step = recovery.restore(self.state, self.trainer, self.history,
-                                           self.nonfinite)
+        self.start_step, kept = recovery.restore(self.state, self.trainer, self.history,
+                                                 self.nonfinite, in_flight=NO_BATCH)
+        self.in_flight = decode_batch(kept["in_flight"]) if "in_flight" in kept else None
         self.version, self.puts = self.start_step - self.nonfinite.count, 0
         self.base: ray.ObjectRef | None = None  # the first publish, held while the run lasts
         self.published: dict | None = None  # the last publish, what a skipped update repeats
@@ -148,15 +164,20 @@ class TrainerWorker:
         return f"trainer-{self.rank}"
 
     def resumed(self) -> dict:
-        """Where the run starts: {"start_step", "nonfinite_steps", "checkpoint"}."""
+        """Where the run starts: {"start_step", "nonfinite_steps", "checkpoint", "in_flight":
+        the batch saved for the start step, (rollouts, records), or None}."""
         return {"start_step": self.start_step, "nonfinite_steps": self.nonfinite.count,
-                "checkpoint": self.state.describe_last()}
+                "checkpoint": self.state.describe_last(), "in_flight": self.in_flight}
 
-    def save(self, step: int, nonfinite_steps: int) -> str:
-        """Saves the state after update `step` (every trainer joins); what was last saved."""
+    def save(self, step: int, nonfinite_steps: int, records: list[dict],
+             *rollouts: Rollout) -> str:
+        """Saves the state after update `step` (every trainer joins) with the batch in flight
+        for step + 1 (`rollouts` and their `records`; none after the last step); what was last
+        saved."""
         self.nonfinite.count = nonfinite_steps
+        extra = {"in_flight": encode_batch(list(rollouts), records)} if rollouts else {}
         self.state.save(step, lambda: recovery.train_state(self.trainer, self.history,
-                                                           self.nonfinite))
+                                                           self.nonfinite, **extra))
         return self.state.describe_last()
 
     def close_checkpoints(self) -> None:

@@ -104,23 +104,29 @@ class NonFinitePolicy:
         return False
 
 
-def train_state(trainer: Any, history: Any, nonfinite: NonFinitePolicy) -> dict[str, Any]:
+def train_state(trainer: Any, history: Any, nonfinite: NonFinitePolicy,
+                **extra: np.ndarray) -> dict[str, Any]:
     """What a resume needs: the trainer state, O3's output-length history (kept whatever the
-    flags, so they may change), and the count of skipped non-finite steps."""
+    flags, so they may change), and the count of skipped non-finite steps; `extra`: a mode's
+    own entries (DA's batch in flight)."""
     return {"params": trainer.params, "opt_state": trainer.opt_state,
             "output_len": history.state(),
-            "nonfinite_steps": np.array(nonfinite.count, np.int32)}
+            "nonfinite_steps": np.array(nonfinite.count, np.int32), **extra}
 
 
-def restore(state: RunState, trainer: Any, history: Any, nonfinite: NonFinitePolicy) -> int:
-    """Resumes from the newest readable checkpoint in the run directory; the first step."""
-    first, saved = state.restore(train_state(trainer, history, nonfinite))
-    if saved is not None:
-        trainer.params, trainer.opt_state = saved["params"], saved["opt_state"]
-        if "output_len" in saved:
-            history.load(saved["output_len"])
-        nonfinite.count = int(saved.get("nonfinite_steps", 0))
-    return first
+def restore(state: RunState, trainer: Any, history: Any, nonfinite: NonFinitePolicy,
+            **extra: np.ndarray) -> tuple[int, dict[str, np.ndarray]]:
+    """Resumes from the newest readable checkpoint in the run directory: (the first step, the
+    `extra` entries it holds). An `extra` value is a placeholder: numpy entries restore at their
+    saved shape."""
+    first, saved = state.restore(train_state(trainer, history, nonfinite, **extra))
+    if saved is None:
+        return first, {}
+    trainer.params, trainer.opt_state = saved["params"], saved["opt_state"]
+    if "output_len" in saved:
+        history.load(saved["output_len"])
+    nonfinite.count = int(saved.get("nonfinite_steps", 0))
+    return first, {k: saved[k] for k in extra if k in saved}
 
 
 def preempted(host: int, step: int, state: RunState) -> Preempted:
