@@ -127,7 +127,8 @@ PROFILES = {
         ignore_eos=True, stop_token_ids=(), decode_batch=16, repeats=3, model="qwen3-0.6b",
     ),
     # Qwen3-0.6B's shape in bf16 on one GPU: 512 requests through 256 rows, every completion to
-    # the cap of 256 (as qwen3-0.6b-cpu), the Pallas decode kernel against the XLA path.
+    # the cap of 256 (as qwen3-0.6b-cpu), the Pallas decode kernel against the XLA path. On an
+    # H200 under jax 0.11.2 the engine's program outran a 2-minute compile (docs/engines.md).
     "qwen3-0.6b-gpu": EngineProfile(
         "qwen3-0.6b-gpu", prompts=64, generations=8, prompt_lengths=(64, 128),
         max_new_tokens=256, ignore_eos=True, stop_token_ids=(), decode_batch=256, repeats=3,
@@ -592,14 +593,14 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
         raise ValueError("--maxtext-rev compares with the maxtext engine: add --engine maxtext")
     load_before = os.getloadavg()
     started = time.perf_counter()
-    compiles = [0]
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _s, **_: (
-            compiles.__setitem__(0, compiles[0] + 1)
-            if event == "/jax/core/compile/backend_compile_duration"
-            else None
-        )
-    )
+    compiles, compile_s = [0], [0.0]  # XLA compiles so far, and their seconds
+
+    def on_duration(event: str, seconds: float, **_: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles[0] += 1
+            compile_s[0] += seconds
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
     with jax.default_device(jax.devices()[0]):
         model = qwen3.Qwen3(model_of(profile), rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -615,6 +616,7 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
     def tell(what: str) -> None:
         if progress is not None:
             progress(what, {"elapsed_s": time.perf_counter() - started,
+                            "compile_s": compile_s[0],
                             "arm_info": {n: i for n, (_, i) in arms.items()},
                             "records": records})
 
@@ -689,6 +691,7 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
         "prefill_ms": prefill_ms,
         "engine_decode_iterations": iterations,
         "engine_compile_count": arms["engine"][1]["compile_count"],
+        "xla_compile_s": compile_s[0],  # this process's, all arms (not the rev worker's)
         "arm_info": {name: info for name, (_, info) in arms.items()},
         "records": records,
     }  # fmt: skip
@@ -879,7 +882,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         profile = dataclasses.replace(profile, xla_arm=args.xla_arm)
 
     def progress(what: str, state: dict) -> None:
-        print(f"[{state['elapsed_s']:7.1f} s] {what}", file=sys.stderr, flush=True)
+        print(f"[{state['elapsed_s']:7.1f} s] {what} (XLA compiles so far "
+              f"{state['compile_s']:.1f} s)", file=sys.stderr, flush=True)
         if args.json:  # what has run so far (no completions), in case the run is cut short
             records = {name: [{k: v for k, v in r.items() if k != "completions"} for r in rs]
                        for name, rs in state["records"].items()}
