@@ -14,7 +14,13 @@ Same random-init Qwen3, prompts and sampling for every arm:
   prefills them);
 * rev (`--rev REV`): the JAX engine of another revision (e.g. the dense engine before pages),
   in a worker process over a copy of that revision's package (`bench.rev_engine_worker`),
-  called in turn with the other arms;
+  called in turn with the other arms; `--rev-tree DIR` takes that package from DIR (REV's
+  `tunix_mcjax`, unpacked from `git archive REV tunix_mcjax`) where no git history is at hand;
+* engine_xla (profiles with `xla_arm`, or `--xla-arm`): the same engine with its pages pinned
+  to `SplitPages`, the XLA path, beside the engine arm's own layout (on a one-device GPU that
+  is `GpuPages`: decode steps on JAX's Pallas GPU kernel), with its own floor (floor_xla).
+  `--layout` pins the engine arm's layout (`gpu-interpret` runs the GPU kernel in Pallas'
+  interpreter: the GPU path, checked on CPU);
 * short cap (profiles with `short_cap`): the same engine and requests with the completion cap
   at `short_cap`. Every completion ends on a stop id well before it, so both caps do the same
   work (checked: equal outputs); the wall-time ratio shows what the cap itself costs.
@@ -22,6 +28,13 @@ Same random-init Qwen3, prompts and sampling for every arm:
 Engine `iteration_ms` = (median generate wall - prefill floor) / decode iterations, so it charges
 sampling, stop checks and loop bookkeeping to the iteration; `iteration_vs_floor_ratio` compares
 it with the bare step. Spreads are IQRs over repeats; the tokens/s ratio has a bootstrap interval.
+`hbm_floor` (in the result): per arm of the paged or dense engine, the least time an iteration
+takes if it only streams what it must read from device memory at `--hbm-bandwidth` bytes/s:
+(W + KV / I) / bandwidth, W the weight bytes (every weight once a step; the output head reads
+the whole embedding), KV the key and value bytes all decode steps read (the step that samples
+token j >= 1 of a request reads its prompt and j tokens: sum over requests and j of
+(prompt + j) x per-token KV bytes, its mean over those steps the mean live length), I the
+arm's decode iterations. `--no-tunix` leaves Tunix's Sampler out.
 
 * `--engine maxtext`: the maxtext engine (MaxText's own model, its own random init) with the
   engine arm's loop settings; tokens/s against the JAX engine and Tunix. `--maxtext-model`:
@@ -31,7 +44,8 @@ it with the bare step. Spreads are IQRs over repeats; the tokens/s ratio has a b
   dense-cache engine before pages), in a worker process like `--rev`'s.
 
     python -m tunix_mcjax.bench.engine [--profile NAME] [--engine maxtext|vllm ...]
-        [--maxtext-model qwen3|qwen3-moe] [--maxtext-rev REV] [--rev REV] [--repeats N]
+        [--maxtext-model qwen3|qwen3-moe] [--maxtext-rev REV] [--rev REV [--rev-tree DIR]]
+        [--layout auto|xla|gpu|gpu-interpret] [--[no-]xla-arm] [--no-tunix] [--repeats N]
         [--json FILE]
 """
 
@@ -57,6 +71,7 @@ from tunix_mcjax.engine import paged_attention, pages
 from tunix_mcjax.engine import qwen3_forward as fwd
 from tunix_mcjax.engine.base import SamplingParams
 from tunix_mcjax.engine.jax_engine import JaxEngine, flatten_tree, pow2_at_least, unflatten_tree
+from tunix_mcjax.engine.qwen3_forward import Qwen3PagedModel
 
 PAD_ID, EOS_ID = 0, 1
 
@@ -76,6 +91,7 @@ class EngineProfile:
     repeats: int
     short_cap: int = 0  # also run at this completion cap (same work: stops end every request)
     model: str = "tiny"  # a key of MODELS
+    xla_arm: bool = False  # also run the engine with its pages on the XLA path (engine_xla)
 
     @property
     def requests(self) -> int:
@@ -109,6 +125,14 @@ PROFILES = {
     "qwen3-0.6b-cpu": EngineProfile(
         "qwen3-0.6b-cpu", prompts=4, generations=4, prompt_lengths=(32, 64), max_new_tokens=64,
         ignore_eos=True, stop_token_ids=(), decode_batch=16, repeats=3, model="qwen3-0.6b",
+    ),
+    # Qwen3-0.6B's shape in bf16 on one GPU: 512 requests through 256 rows, every completion to
+    # the cap of 256 (as qwen3-0.6b-cpu), the Pallas decode kernel against the XLA path. On an
+    # H200 under jax 0.11.2 the engine's program outran a 2-minute compile (docs/engines.md).
+    "qwen3-0.6b-gpu": EngineProfile(
+        "qwen3-0.6b-gpu", prompts=64, generations=8, prompt_lengths=(64, 128),
+        max_new_tokens=256, ignore_eos=True, stop_token_ids=(), decode_batch=256, repeats=3,
+        model="qwen3-0.6b", xla_arm=True,
     ),
     # `make demo`'s share of one replica (recipes/cpu/demo.yml on 2 hosts x 2 devices): 4 prompts
     # x 32 samples of 3 tokens, 2 new tokens, its tiny model: what the loop itself costs.
@@ -178,6 +202,15 @@ def spread(values: Sequence[float]) -> dict[str, float]:
     return {"median": float(med), "iqr": float(q3 - q1), "n": int(v.size)}
 
 
+def bootstrap_median(values: Sequence[float], resamples: int = 5000):
+    """median(values) with a 95% percentile bootstrap interval."""
+    rng = np.random.default_rng(0)
+    v = np.asarray(values)
+    boot = np.median(v[rng.integers(0, v.size, (resamples, v.size))], axis=1)
+    low, high = np.percentile(boot, [2.5, 97.5])
+    return float(np.median(v)), float(low), float(high)
+
+
 def bootstrap_ratio(num: Sequence[float], den: Sequence[float], resamples: int = 5000):
     """median(num)/median(den) with a 95% percentile bootstrap interval."""
     rng = np.random.default_rng(0)
@@ -206,22 +239,48 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
 
 Measure = Callable[[int], dict[str, float]]  # repeat index -> one repeat's measurements
 
+# `--layout`: the engine arm's page layout; auto is what `layout_for` picks for one device.
+LAYOUTS: dict[str, Callable[[], Any] | None] = {
+    "auto": None,
+    "xla": paged_attention.SplitPages,
+    "gpu": paged_attention.GpuPages,
+    "gpu-interpret": lambda: paged_attention.GpuPages(interpret=True),
+}
+
+
+def resolve_layout(layout: Any = None) -> Any:
+    """`layout`, or the one `layout_for` picks for a one-device replica on this platform."""
+    return layout or paged_attention.layout_for(jax.devices()[0].platform, 1)
+
+
+class PinnedLayoutEngine(JaxEngine):
+    """JaxEngine whose replicas decode on `layout`, whatever their platform would pick."""
+
+    def __init__(self, *args: Any, layout: Any, **kwargs: Any):
+        self.pinned_layout = layout
+        super().__init__(*args, **kwargs)
+
+    def _decode_model(self, mesh):
+        return Qwen3PagedModel(self.model_config, mesh, self.pinned_layout)
+
 
 def engine_arm(
-    profile, params, prompts, sampling, *, continuous: bool, batch: int
+    profile, params, prompts, sampling, *, continuous: bool, batch: int, layout: Any = None
 ) -> tuple[Measure, dict]:
     """A warmed-up JaxEngine decoding at most `batch` rows at once (CB or waves), its
-    completion cap `sampling.max_new_tokens`."""
-    engine = JaxEngine(
+    completion cap `sampling.max_new_tokens`, its pages on `layout` (None: its platform's)."""
+    options = {"layout": layout} if layout is not None else {}
+    engine = (PinnedLayoutEngine if layout is not None else JaxEngine)(
         model_of(profile), jax.devices()[:1], pad_id=PAD_ID, eos_ids=(EOS_ID,),
         max_prompt_length=pow2_at_least(profile.prompt_lengths[1]),
         max_new_tokens=sampling.max_new_tokens, continuous_batching=continuous,
-        max_batch_size=batch,
+        max_batch_size=batch, **options,
     )  # fmt: skip
     engine.load_weights(params)
     engine.generate(prompts, sampling, seed=0)  # compile
     info = {"decode_batch": min(batch, pow2_at_least(profile.requests)),
-            "pool_pages": engine.num_pages, "page_size": engine.page_size}
+            "pool_pages": engine.num_pages, "page_size": engine.page_size,
+            "layout": type(resolve_layout(layout)).__name__}
 
     def measure(rep: int) -> dict[str, float]:
         wall, out = timed(lambda: engine.generate(prompts, sampling, seed=rep + 1))
@@ -240,22 +299,29 @@ def engine_arm(
     return measure, info
 
 
-def rev_worker(rev: str) -> Callable[[dict], dict]:
+def rev_worker(rev: str, tree: str | None = None) -> Callable[[dict], dict]:
     """A worker process (`bench.rev_engine_worker`) over `git archive` of revision `rev`'s
-    package; returns the function that sends it one request and reads its answer."""
+    package, or over `tree` (a folder holding that package, `tree/tunix_mcjax`); returns the
+    function that sends it one request and reads its answer."""
     import atexit
     import shutil
     import subprocess
     import tempfile
     from pathlib import Path
 
-    tree = Path(tempfile.mkdtemp(prefix="rev-engine-"))
-    atexit.register(shutil.rmtree, tree, ignore_errors=True)
-    archive = subprocess.run(["git", "archive", rev, "tunix_mcjax"], check=True,
-                             capture_output=True, timeout=120).stdout
-    subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True, timeout=120)
+    if tree is None:
+        tree = tempfile.mkdtemp(prefix="rev-engine-")
+        atexit.register(shutil.rmtree, tree, ignore_errors=True)
+        archive = subprocess.run(["git", "archive", rev, "tunix_mcjax"], check=True,
+                                 capture_output=True, timeout=120).stdout
+        subprocess.run(["tar", "-x", "-C", tree], input=archive, check=True, timeout=120)
+    elif not (Path(tree) / "tunix_mcjax" / "engine" / "jax_engine.py").is_file():
+        raise ValueError(f"--rev-tree {tree} holds no tunix_mcjax package")
     worker = Path(__file__).with_name("rev_engine_worker.py")
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    # The revision's package first, then whatever path this process was given (where its
+    # dependencies may live).
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        p for p in (str(tree), os.environ.get("PYTHONPATH", "")) if p)}
     proc = subprocess.Popen([sys.executable, str(worker)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True, env=env)
     atexit.register(proc.kill)
@@ -271,12 +337,13 @@ def rev_worker(rev: str) -> Callable[[dict], dict]:
     return ask
 
 
-def rev_arm(profile, prompts, sampling, rev: str,
-            maxtext: Sequence[str] | None = None) -> tuple[Measure, dict]:
-    """Revision `rev`'s engine in a worker process (`rev_worker`), with the engine arm's
-    settings: its JaxEngine over Tunix's Qwen3 of the profile's shape, or with `maxtext` (MaxText
-    arguments) its MaxTextEngine over that model; asked for one generate per repeat."""
-    ask = rev_worker(rev)
+def rev_arm(profile, prompts, sampling, rev: str, maxtext: Sequence[str] | None = None,
+            tree: str | None = None) -> tuple[Measure, dict]:
+    """Revision `rev`'s engine in a worker process (`rev_worker`, its package from `tree` if
+    given), with the engine arm's settings: its JaxEngine over Tunix's Qwen3 of the profile's
+    shape, or with `maxtext` (MaxText arguments) its MaxTextEngine over that model; asked for
+    one generate per repeat."""
+    ask = rev_worker(rev, tree)
     if maxtext is None:
         mc = model_of(profile)
         built = {"model": {**{k: getattr(mc, k) for k in MODEL_FIELDS},
@@ -406,16 +473,18 @@ def vllm_arm(profile, params, prompts, sampling) -> tuple[Measure, dict]:
 ENGINE_ARMS = {"maxtext": maxtext_arm, "vllm": vllm_arm}
 
 
-def floor_arm(profile, params, batch: int, steps: int = 32) -> tuple[Measure, dict]:
+def floor_arm(profile, params, batch: int, steps: int = 32,
+              layout: Any = None) -> tuple[Measure, dict]:
     """Our paged decode step alone (every row at the prompt bucket, pool donated) in a tight
-    loop, and our prefill alone (one chunk of each distinct prompt), jitted."""
+    loop, and our prefill alone (one chunk of each distinct prompt), jitted, on `layout`
+    (None: the one the engine picks on this platform)."""
     prompt_bucket = pow2_at_least(profile.prompt_lengths[1])
     page = pages.DEFAULT_PAGE_SIZE
     table = pages.cdiv(prompt_bucket + steps, page)
     device = jax.devices()[0]
     params = jax.device_put(unflatten_tree(flatten_tree(params)), device)
     num_pages = (batch + profile.prompts) * table
-    layout = paged_attention.SplitPages()
+    layout = resolve_layout(layout)
     mc = model_of(profile)
     pool = jax.device_put([layout.empty(num_pages, page, mc.num_kv_heads, mc.head_dim,
                                         mc.dtype) for _ in range(mc.num_layers)], device)
@@ -458,7 +527,7 @@ def floor_arm(profile, params, batch: int, steps: int = 32) -> tuple[Measure, di
             "prefill_ms": timed(lambda: run([prefill]))[0] * 1e3,
         }
 
-    return measure, {"batch": batch}
+    return measure, {"batch": batch, "layout": type(layout).__name__}
 
 
 def tokens_per_s(records: list[dict[str, float]]) -> list[float]:
@@ -476,23 +545,62 @@ def same_outputs(records: list[dict], reference: list[dict]) -> float:
     return sum(a == b for a, b in pairs) / len(pairs)
 
 
+HBM_BANDWIDTH = 4.8e12  # bytes/s: an H200's HBM3e, by its datasheet (`--hbm-bandwidth`)
+HBM_FLOOR_FORMULA = (
+    "floor_iteration_ms = (W + KV / I) / bandwidth * 1e3: W = weight bytes (every weight read "
+    "once a step, the tied output head the whole embedding), KV = sum over requests r and "
+    "their tokens j >= 1 of (prompt_len_r + j) x kv_bytes_per_token (the step that samples "
+    "token j reads its prompt's and j tokens' keys and values; token 0 comes from prefill), "
+    "I = the arm's decode iterations; kv_bytes_per_token = 2 x layers x kv_heads x head_dim "
+    "x dtype bytes; mean_live_length = KV / kv_bytes_per_token / decode steps")
+
+
+def hbm_floor(profile: EngineProfile, params, prompts: Sequence[Sequence[int]],
+              lengths: Sequence[int], iterations: float, bandwidth: float) -> dict[str, float]:
+    """The least time a decode iteration takes if it streams only what it must read from
+    device memory (HBM_FLOOR_FORMULA), for requests `prompts` whose completions have `lengths`
+    tokens, decoded in `iterations` iterations."""
+    mc = model_of(profile)
+    weight_bytes = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                       for x in jax.tree.leaves(params))
+    kv_token_bytes = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * np.dtype(
+        mc.dtype).itemsize
+    steps = sum(max(n - 1, 0) for n in lengths)
+    kv_tokens = sum(max(n - 1, 0) * len(p) + n * max(n - 1, 0) / 2
+                    for p, n in zip(prompts, lengths, strict=True))
+    floor_s = (weight_bytes + kv_tokens * kv_token_bytes / iterations) / bandwidth
+    return {"weight_bytes": weight_bytes, "kv_bytes_per_token": kv_token_bytes,
+            "kv_bytes_read": kv_tokens * kv_token_bytes, "decode_steps": steps,
+            "mean_live_length": kv_tokens / max(steps, 1), "iterations": iterations,
+            "floor_iteration_ms": floor_s * 1e3}
+
+
+Progress = Callable[[str, dict], None]  # (what just finished, the state so far)
+
+
 def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = None,
-        maxtext_model: str = "qwen3", maxtext_rev: str | None = None) -> dict[str, Any]:
+        maxtext_model: str = "qwen3", maxtext_rev: str | None = None, *,
+        rev_tree: str | None = None, layout: str = "auto", tunix: bool = True,
+        hbm_bandwidth: float = HBM_BANDWIDTH, progress: Progress | None = None
+        ) -> dict[str, Any]:
     """Warm every arm up, then run the arms interleaved, once each per repeat, so that load
     from other processes hits them alike. `engines` names `ENGINE_ARMS` to add; `rev` adds
-    that revision's JAX engine; `maxtext_model` is the maxtext arm's model
-    (`MAXTEXT_MODELS`), `maxtext_rev` adds that revision's maxtext engine on it."""
+    that revision's JAX engine (its package from `rev_tree` if given); `maxtext_model` is the
+    maxtext arm's model (`MAXTEXT_MODELS`), `maxtext_rev` adds that revision's maxtext engine
+    on it. `layout` (`LAYOUTS`) is the engine arm's page layout; `tunix` runs Tunix's Sampler;
+    `progress` is told after each warm-up and each repeat (partial results)."""
     if maxtext_rev and "maxtext" not in engines:
         raise ValueError("--maxtext-rev compares with the maxtext engine: add --engine maxtext")
     load_before = os.getloadavg()
-    compiles = [0]
-    jax.monitoring.register_event_duration_secs_listener(
-        lambda event, _s, **_: (
-            compiles.__setitem__(0, compiles[0] + 1)
-            if event == "/jax/core/compile/backend_compile_duration"
-            else None
-        )
-    )
+    started = time.perf_counter()
+    compiles, compile_s = [0], [0.0]  # XLA compiles so far, and their seconds
+
+    def on_duration(event: str, seconds: float, **_: Any) -> None:
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles[0] += 1
+            compile_s[0] += seconds
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
     with jax.default_device(jax.devices()[0]):
         model = qwen3.Qwen3(model_of(profile), rngs=nnx.Rngs(0))
     params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
@@ -502,54 +610,80 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
         stop_token_ids=profile.stop_token_ids,
     )  # fmt: skip
     workload = (profile, params, prompts, sampling)
-    arms = {"engine": engine_arm(*workload, continuous=True, batch=profile.decode_batch)}
+    arms: dict[str, tuple[Measure, dict]] = {}
+    records: dict[str, list[dict[str, float]]] = {}
+
+    def tell(what: str) -> None:
+        if progress is not None:
+            progress(what, {"elapsed_s": time.perf_counter() - started,
+                            "compile_s": compile_s[0],
+                            "arm_info": {n: i for n, (_, i) in arms.items()},
+                            "records": records})
+
+    def add(name: str, build: Callable[..., tuple[Measure, dict]], *args, **kwargs) -> None:
+        """Build (and warm up) arm `name`, timing it."""
+        built, arm = timed(lambda: build(*args, **kwargs))
+        arm[1]["warmup_s"] = built
+        arms[name] = arm
+        tell(f"warm-up {name} {built:.1f} s")
+
+    pinned = LAYOUTS[layout]
+    add("engine", engine_arm, *workload, continuous=True, batch=profile.decode_batch,
+        layout=pinned() if pinned else None)
+    if profile.xla_arm:
+        add("engine_xla", engine_arm, *workload, continuous=True, batch=profile.decode_batch,
+            layout=paged_attention.SplitPages())
     if profile.short_cap:
         short = dataclasses.replace(sampling, max_new_tokens=profile.short_cap)
-        arms["engine_short_cap"] = engine_arm(profile, params, prompts, short, continuous=True,
-                                              batch=profile.decode_batch)
+        add("engine_short_cap", engine_arm, profile, params, prompts, short, continuous=True,
+            batch=profile.decode_batch)
     if not profile.ignore_eos and profile.decode_batch < profile.requests:
-        arms["engine_waves"] = engine_arm(*workload, continuous=False, batch=profile.decode_batch)
-        arms["engine_one_batch"] = engine_arm(*workload, continuous=False, batch=profile.requests)
+        add("engine_waves", engine_arm, *workload, continuous=False, batch=profile.decode_batch)
+        add("engine_one_batch", engine_arm, *workload, continuous=False, batch=profile.requests)
     if rev:
-        arms["rev"] = rev_arm(profile, prompts, sampling, rev)
+        add("rev", rev_arm, profile, prompts, sampling, rev, tree=rev_tree)
     options = {"maxtext": {"model_args": MAXTEXT_MODELS[maxtext_model]}}
     for name in engines:
-        arms[name] = ENGINE_ARMS[name](*workload, **options.get(name, {}))
+        add(name, ENGINE_ARMS[name], *workload, **options.get(name, {}))
     if maxtext_rev:
-        arms["maxtext_rev"] = rev_arm(profile, prompts, sampling, maxtext_rev,
-                                      maxtext=MAXTEXT_MODELS[maxtext_model])
-    arms["tunix"] = tunix_arm(profile, model, prompts, sampling, compiles)
-    arms["floor"] = floor_arm(profile, params, arms["engine"][1]["decode_batch"])
-    records: dict[str, list[dict[str, float]]] = {name: [] for name in arms}
+        add("maxtext_rev", rev_arm, profile, prompts, sampling, maxtext_rev,
+            maxtext=MAXTEXT_MODELS[maxtext_model])
+    if tunix:
+        add("tunix", tunix_arm, profile, model, prompts, sampling, compiles)
+    decode_batch = arms["engine"][1]["decode_batch"]
+    add("floor", floor_arm, profile, params, decode_batch, layout=pinned() if pinned else None)
+    if profile.xla_arm:
+        add("floor_xla", floor_arm, profile, params, decode_batch,
+            layout=paged_attention.SplitPages())
+    records.update({name: [] for name in arms})
     for rep in range(profile.repeats):
         for name, (measure, _) in arms.items():
             records[name].append(measure(rep))
+        tell(f"repeat {rep + 1} of {profile.repeats}")
     same = {name: same_outputs(records[name], records["engine"])
-            for name in ("engine_short_cap", "rev") if name in records}
+            for name in ("engine_short_cap", "engine_xla", "rev") if name in records}
     if "maxtext_rev" in records:
         same["maxtext_rev_vs_maxtext"] = same_outputs(records["maxtext_rev"], records["maxtext"])
+    lengths = {name: [len(c) for c in records[name][0]["completions"]]
+               for name in ("engine", "engine_xla", "rev") if name in records}
     for arm_records in records.values():
         for record in arm_records:
             record.pop("completions", None)
-    engine, tunix, floor = records["engine"], records["tunix"], records["floor"]
+    engine, floor = records["engine"], records["floor"]
     prefill_ms = float(np.median(column(floor, "prefill_ms")))
     iterations = float(np.median(column(engine, "iterations")))
     engine_iteration = (np.median(column(engine, "wall_s")) * 1e3 - prefill_ms) / iterations
     floor_iteration = float(np.median(column(floor, "step_ms")))
-    ratio, low, high = bootstrap_ratio(tokens_per_s(engine), tokens_per_s(tunix))
     result = {
         "profile": dataclasses.asdict(profile),
         "model": {k: getattr(model_of(profile), k) for k in ("num_layers", "vocab_size",
                                                             "embed_dim",
                                                  "hidden_dim", "num_heads", "num_kv_heads")},
         "device": str(jax.devices()[0]),
+        "jax_version": jax.__version__,
         "loadavg_1_5_15": {"before": load_before, "after": os.getloadavg()},
         "engine_tokens_per_s": spread(tokens_per_s(engine))["median"],
         "engine_tokens_per_s_spread": spread(tokens_per_s(engine)),
-        "tunix_sampler_tokens_per_s": spread(tokens_per_s(tunix))["median"],
-        "tunix_sampler_tokens_per_s_spread": spread(tokens_per_s(tunix)),
-        "tokens_per_s_ratio_vs_tunix": ratio,
-        "tokens_per_s_ratio_vs_tunix_ci95": [low, high],
         "iteration_ms": float(engine_iteration),
         "floor_iteration_ms": floor_iteration,
         "floor_iteration_ms_spread": spread(column(floor, "step_ms")),
@@ -557,10 +691,53 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
         "prefill_ms": prefill_ms,
         "engine_decode_iterations": iterations,
         "engine_compile_count": arms["engine"][1]["compile_count"],
-        "tunix_compile_count": arms["tunix"][1]["compile_count"],
+        "xla_compile_s": compile_s[0],  # this process's, all arms (not the rev worker's)
         "arm_info": {name: info for name, (_, info) in arms.items()},
         "records": records,
     }  # fmt: skip
+    # Every generating arm's tokens/s (median, 95% bootstrap interval of the median) and its
+    # ratio to the engine arm's (95% bootstrap interval).
+    result["tokens_per_s"] = {
+        name: {"median_ci95": bootstrap_median(tokens_per_s(arm)),
+               "vs_engine_ci95": bootstrap_ratio(tokens_per_s(arm), tokens_per_s(engine))}
+        for name, arm in records.items() if not name.startswith("floor")}
+    if "tunix" in records:
+        tunix_records = records["tunix"]
+        ratio, low, high = bootstrap_ratio(tokens_per_s(engine), tokens_per_s(tunix_records))
+        result.update({
+            "tunix_sampler_tokens_per_s": spread(tokens_per_s(tunix_records))["median"],
+            "tunix_sampler_tokens_per_s_spread": spread(tokens_per_s(tunix_records)),
+            "tokens_per_s_ratio_vs_tunix": ratio,
+            "tokens_per_s_ratio_vs_tunix_ci95": [low, high],
+            "tunix_compile_count": arms["tunix"][1]["compile_count"],
+        })
+    if "floor_xla" in records:
+        xla_floor = records["floor_xla"]
+        xla_iterations = float(np.median(column(records["engine_xla"], "iterations")))
+        xla_prefill = float(np.median(column(xla_floor, "prefill_ms")))
+        xla_iteration = (np.median(column(records["engine_xla"], "wall_s")) * 1e3
+                         - xla_prefill) / xla_iterations
+        result.update({
+            "xla_iteration_ms": float(xla_iteration),
+            "xla_floor_iteration_ms": float(np.median(column(xla_floor, "step_ms"))),
+            "xla_floor_iteration_ms_spread": spread(column(xla_floor, "step_ms")),
+            "xla_prefill_ms": xla_prefill,
+            "xla_decode_iterations": xla_iterations,
+        })
+    # Each engine arm's iteration (wall less our prefill floor, over its iterations) against
+    # the HBM floor of the same work.
+    floors = {}
+    for name, arm_lengths in lengths.items():
+        arm_iterations = float(np.median(column(records[name], "iterations")))
+        floors[name] = hbm_floor(profile, params, prompts, arm_lengths, arm_iterations,
+                                 hbm_bandwidth)
+        wall_ms = float(np.median(column(records[name], "wall_s"))) * 1e3
+        floors[name]["iteration_ms"] = (wall_ms - prefill_ms) / arm_iterations
+        floors[name]["iteration_vs_hbm_floor"] = (floors[name]["iteration_ms"]
+                                                  / floors[name]["floor_iteration_ms"])
+    if floors:
+        result["hbm_floor"] = {"bandwidth_bytes_per_s": hbm_bandwidth,
+                               "formula": HBM_FLOOR_FORMULA, "arms": floors}
     result["same_outputs_as_engine"] = same
     if "engine_short_cap" in records:
         result["cap_wall_ratio"] = paired_ratio(column(engine, "wall_s"),
@@ -579,15 +756,16 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
         result[f"{name}_tokens_per_s_spread"] = spread(tokens_per_s(records[name]))
         result[f"{name}_tokens_per_s_ratio_vs_engine"] = bootstrap_ratio(
             tokens_per_s(records[name]), tokens_per_s(engine))
-        result[f"{name}_tokens_per_s_ratio_vs_tunix"] = bootstrap_ratio(
-            tokens_per_s(records[name]), tokens_per_s(tunix))
+        if "tunix" in records:
+            result[f"{name}_tokens_per_s_ratio_vs_tunix"] = bootstrap_ratio(
+                tokens_per_s(records[name]), tokens_per_s(records["tunix"]))
     for variant in ("engine_waves", "engine_one_batch"):
         if variant in records:
             result[f"{variant}_tokens_per_s"] = spread(tokens_per_s(records[variant]))["median"]
             result[f"{variant}_decode_iterations"] = float(
                 np.median(column(records[variant], "iterations"))
             )
-            result[f"cb_speedup_vs_{variant.removeprefix('engine_')}"] = bootstrap_ratio(
+            result[f"cb_speedup_vs_{variant}"] = bootstrap_ratio(
                 tokens_per_s(engine), tokens_per_s(records[variant])
             )
     return result
@@ -596,7 +774,8 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
 def print_table(result: dict[str, Any]) -> None:
     records, info = result["records"], result["arm_info"]
     rows = [
-        ("engine (CB)", "engine"),
+        (f"engine {info['engine']['layout']}"[:16], "engine"),
+        ("engine XLA path", "engine_xla"),
         (f"cap {result['profile']['short_cap']}", "engine_short_cap"),
         (f"rev {info.get('rev', {}).get('rev', '')}"[:16], "rev"),
         ("no CB, waves", "engine_waves"),
@@ -616,9 +795,20 @@ def print_table(result: dict[str, Any]) -> None:
             f"{np.median(column(records[name], 'wall_s')):>9.3f}"
             f"{np.median(column(records[name], 'tokens')):>8.0f}{info[name]['compile_count']:>10}"
         )
-    low, high = result["tokens_per_s_ratio_vs_tunix_ci95"]
-    ratio = result["tokens_per_s_ratio_vs_tunix"]
-    print(f"tokens/s ratio vs tunix {ratio:.2f} [95% CI {low:.2f}, {high:.2f}]")
+    if "tokens_per_s_ratio_vs_tunix" in result:
+        low, high = result["tokens_per_s_ratio_vs_tunix_ci95"]
+        ratio = result["tokens_per_s_ratio_vs_tunix"]
+        print(f"tokens/s ratio vs tunix {ratio:.2f} [95% CI {low:.2f}, {high:.2f}]")
+    if "engine_xla" in records:
+        ratio, low, high = result["tokens_per_s"]["engine_xla"]["vs_engine_ci95"]
+        print(f"XLA path tokens/s vs {info['engine']['layout']}: {ratio:.2f} [95% CI {low:.2f}, "
+              f"{high:.2f}], same outputs {result['same_outputs_as_engine']['engine_xla']:.0%}; "
+              f"its iteration {result['xla_iteration_ms']:.2f} ms, floor step "
+              f"{result['xla_floor_iteration_ms']:.2f} ms")
+    for name, floor in result.get("hbm_floor", {}).get("arms", {}).items():
+        print(f"{name}: iteration {floor['iteration_ms']:.2f} ms over {floor['iterations']:.0f}, "
+              f"HBM floor {floor['floor_iteration_ms']:.2f} ms (mean live length "
+              f"{floor['mean_live_length']:.0f}): {floor['iteration_vs_hbm_floor']:.2f}x")
     print(
         f"iteration {result['iteration_ms']:.2f} ms over {result['engine_decode_iterations']:.0f} "
         f"iterations; floor step {result['floor_iteration_ms']:.2f} ms "
@@ -670,13 +860,40 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--maxtext-rev", help="also run this git revision's maxtext engine on "
                         "the same model (e.g. 360faf4, before it was paged), in a worker "
                         "process; needs --engine maxtext")
+    parser.add_argument("--rev-tree", help="--rev's package from this folder (holding "
+                        "tunix_mcjax, as `git archive REV tunix_mcjax` unpacks) instead of git")
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="auto",
+                        help="the engine arm's page layout (default: its platform's)")
+    parser.add_argument("--xla-arm", action=argparse.BooleanOptionalAction, help="also run "
+                        "the engine with its pages on the XLA path, SplitPages (default: the "
+                        "profile's xla_arm)")
+    parser.add_argument("--no-tunix", action="store_true", help="leave Tunix's Sampler out")
+    parser.add_argument("--hbm-bandwidth", type=float, default=HBM_BANDWIDTH,
+                        help="bytes/s of the HBM floor (default: an H200's 4.8e12)")
     parser.add_argument("--repeats", type=int, help="timed repeats per arm (default: the "
                         "profile's); more narrow the intervals on a loaded machine")
     args = parser.parse_args(argv)
+    if args.rev_tree and not args.rev:
+        parser.error("--rev-tree needs --rev (the revision it holds)")
     profile = PROFILES[args.profile]
     if args.repeats:
         profile = dataclasses.replace(profile, repeats=args.repeats)
-    result = run(profile, args.engine, args.rev, args.maxtext_model, args.maxtext_rev)
+    if args.xla_arm is not None:
+        profile = dataclasses.replace(profile, xla_arm=args.xla_arm)
+
+    def progress(what: str, state: dict) -> None:
+        print(f"[{state['elapsed_s']:7.1f} s] {what} (XLA compiles so far "
+              f"{state['compile_s']:.1f} s)", file=sys.stderr, flush=True)
+        if args.json:  # what has run so far (no completions), in case the run is cut short
+            records = {name: [{k: v for k, v in r.items() if k != "completions"} for r in rs]
+                       for name, rs in state["records"].items()}
+            with open(f"{args.json}.partial", "w") as f:
+                json.dump({"profile": dataclasses.asdict(profile), "done": what, **state,
+                           "records": records}, f, indent=1)
+
+    result = run(profile, args.engine, args.rev, args.maxtext_model, args.maxtext_rev,
+                 rev_tree=args.rev_tree, layout=args.layout, tunix=not args.no_tunix,
+                 hbm_bandwidth=args.hbm_bandwidth, progress=progress)
     print_table(result)
     if args.json:
         with open(args.json, "w") as f:
