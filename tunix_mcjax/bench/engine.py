@@ -29,7 +29,8 @@ Engine `iteration_ms` = (median generate wall - prefill floor) / decode iteratio
 sampling, stop checks and loop bookkeeping to the iteration; `iteration_vs_floor_ratio` compares
 it with the bare step. Spreads are IQRs over repeats; the tokens/s ratio has a bootstrap interval.
 `hbm_floor` (in the result): per arm of the paged or dense engine, the least time an iteration
-takes if it only streams what it must read from device memory at `--hbm-bandwidth` bytes/s:
+takes if it only streams what it must read from device memory at `--hbm-bandwidth` bytes/s
+(on a GPU by default an H200's; elsewhere only when given):
 (W + KV / I) / bandwidth, W the weight bytes (every weight once a step; the output head reads
 the whole embedding), KV the key and value bytes all decode steps read (the step that samples
 token j >= 1 of a request reads its prompt and j tokens: sum over requests and j of
@@ -581,7 +582,7 @@ Progress = Callable[[str, dict], None]  # (what just finished, the state so far)
 def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = None,
         maxtext_model: str = "qwen3", maxtext_rev: str | None = None, *,
         rev_tree: str | None = None, layout: str = "auto", tunix: bool = True,
-        hbm_bandwidth: float = HBM_BANDWIDTH, progress: Progress | None = None
+        hbm_bandwidth: float | None = None, progress: Progress | None = None
         ) -> dict[str, Any]:
     """Warm every arm up, then run the arms interleaved, once each per repeat, so that load
     from other processes hits them alike. `engines` names `ENGINE_ARMS` to add; `rev` adds
@@ -727,7 +728,9 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
     # Each engine arm's iteration (wall less our prefill floor, over its iterations) against
     # the HBM floor of the same work.
     floors = {}
-    for name, arm_lengths in lengths.items():
+    if hbm_bandwidth is None and jax.devices()[0].platform == "gpu":
+        hbm_bandwidth = HBM_BANDWIDTH
+    for name, arm_lengths in (lengths if hbm_bandwidth else {}).items():
         arm_iterations = float(np.median(column(records[name], "iterations")))
         floors[name] = hbm_floor(profile, params, prompts, arm_lengths, arm_iterations,
                                  hbm_bandwidth)
@@ -868,8 +871,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "the engine with its pages on the XLA path, SplitPages (default: the "
                         "profile's xla_arm)")
     parser.add_argument("--no-tunix", action="store_true", help="leave Tunix's Sampler out")
-    parser.add_argument("--hbm-bandwidth", type=float, default=HBM_BANDWIDTH,
-                        help="bytes/s of the HBM floor (default: an H200's 4.8e12)")
+    parser.add_argument("--hbm-bandwidth", type=float, help="bytes/s of the HBM floor "
+                        "(default: an H200's 4.8e12 on a GPU, none elsewhere)")
     parser.add_argument("--repeats", type=int, help="timed repeats per arm (default: the "
                         "profile's); more narrow the intervals on a loaded machine")
     args = parser.parse_args(argv)
@@ -898,6 +901,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+        if os.path.exists(f"{args.json}.partial"):
+            os.remove(f"{args.json}.partial")
 
 
 if __name__ == "__main__":

@@ -15,9 +15,10 @@ sees keys at positions p - window < k <= p, by token position, MaxText's LOCAL_S
 
 - `reference_attention`: the definition, one row at a time over its keys and values (tests).
 - `SplitPages` (CPU, GPU): keys and values in two arrays `[kv_heads, pages, page_size,
-  head_dim]`; every row at once over the first n pages of each table, n the longest live row
-  rounded up to the next of a few sizes (a `lax.switch` over them, at most 25% past it), so a
-  step costs what its live tokens cost, not what the caps would.
+  head_dim]`; every decode row at once over the first n pages of each table, n the longest live
+  row rounded up to the next of a few sizes (a `lax.switch` over them, at most 25% past it), so
+  a step costs what its live tokens cost, not what the caps would; a prefill chunk over its
+  prompt's table (the prompt bucket's pages).
 - `GpuPages` (GPU): SplitPages' arrays; decode rows (one query each, no window or sinks) go
   through JAX's Pallas GPU `paged_attention` kernel, everything else through SplitPages' path.
 - `CombinedPages` (TPU): one array `[pages, page_size, 2 * kv_heads, head_dim]`, keys at even and
@@ -149,7 +150,16 @@ class SplitPages:
         return gather(layer[0]), gather(layer[1])
 
     def attend(self, q, layer, tables, kv_lens, q_lens, **options) -> jax.Array:
-        """`options`: `attend_rows`' window, sinks, scale and soft_cap."""
+        """`options`: `attend_rows`' window, sinks, scale and soft_cap.
+
+        Decode rows (one query each) read the first n pages of their tables, n picked from
+        `page_buckets` by the longest live row. Prefill chunks read their whole tables: a
+        prompt's table is bounded by the prompt bucket, and one branch per layer instead of one
+        per gather size keeps the program small (a 28-layer model's compiles for minutes on GPU
+        with a switch in every layer's prefill)."""
+        if q.shape[1] > 1:
+            return attend_rows(q, *self.sequences(layer, tables, tables.shape[1]), kv_lens,
+                               q_lens, **options)
         page_size = layer[0].shape[2]
         buckets = page_buckets(tables.shape[1])
         live = jnp.max(jnp.where(q_lens > 0, kv_lens, 0))
