@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from tunix_mcjax import config, models  # noqa: E402
 from tunix_mcjax.engine.base import SamplingParams  # noqa: E402
-from tunix_mcjax.engine.jax_engine import JaxEngine, replica_key  # noqa: E402
+from tunix_mcjax.engine.jax_engine import JaxEngine, replica_keys  # noqa: E402
 from tunix_mcjax.engine.sampling import SamplerSpec, sample  # noqa: E402
 
 VOCAB = 99
@@ -294,11 +294,11 @@ def test_clear_errors(model_config, model, eos_id):
     assert fresh.compile_count == 0
 
 
-def test_replica_key_is_fold_in_of_prng_key():
-    """The engine's one-dispatch key equals `fold_in(PRNGKey(seed), replica)`, the key every
+def test_replica_keys_are_fold_in_of_prng_key():
+    """The engine's one-dispatch keys equal `fold_in(PRNGKey(seed), replica)`, the key every
     request's randomness folds from, for the seeds a run passes (negative and past 2**32 too)."""
     for seed in (0, 11, 2**31 + 3, 2**32 + 5, -3):
+        fast = replica_keys(np.uint32(seed % 2**32), 4)
         for replica in (0, 1, 3):
-            fast = replica_key(np.uint32(seed % 2**32), np.uint32(replica))
             np.testing.assert_array_equal(
-                fast, jax.random.fold_in(jax.random.PRNGKey(seed), replica))
+                fast[replica], jax.random.fold_in(jax.random.PRNGKey(seed), replica))

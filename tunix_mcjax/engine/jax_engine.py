@@ -13,10 +13,12 @@ single-controller structure, kept as a benchmark baseline).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -90,11 +92,13 @@ def unflatten_tree(flat: Mapping[LeafPath, Any]) -> dict[str, Any]:
     return tree
 
 
-@jax.jit
-def replica_key(seed: jax.Array, replica: jax.Array) -> jax.Array:
-    """`fold_in(PRNGKey(seed), replica)` in one dispatch (op by op it costs a millisecond); with
-    JAX's default 32-bit types PRNGKey keeps a seed modulo 2**32, as the caller passes it."""
-    return jax.random.fold_in(jax.random.PRNGKey(seed), replica)
+@functools.partial(jax.jit, static_argnums=1)
+def replica_keys(seed: jax.Array, replicas: int) -> jax.Array:
+    """[replicas, 2]: `fold_in(PRNGKey(seed), r)` for each replica r, in one dispatch (op by op
+    it costs a millisecond); with JAX's default 32-bit types PRNGKey keeps a seed modulo 2**32,
+    as the caller passes it."""
+    key = jax.random.PRNGKey(seed)
+    return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(replicas, dtype=jnp.uint32))
 
 
 def pack_prompts(
@@ -366,13 +370,16 @@ class JaxEngine(Engine):
         spec = SamplerSpec.of(sampling, self.model_config.vocab_size)
         buckets = self._buckets(prompts, sampling)
         shares = np.array_split(np.arange(len(prompts)), self.num_replicas)
+        # Every replica's key on the host before any program is queued: a key made after
+        # replica 0's program would wait behind it on the default device, and the replicas
+        # would run one after another instead of at once.
+        keys = np.asarray(replica_keys(np.uint32(seed % 2**32), self.num_replicas))
         pending = []
         for replica, share in enumerate(shares):
             if len(share):
-                key = replica_key(np.uint32(seed % 2**32), np.uint32(replica))
                 request_ids = [int(i) for i in share]
                 pending += self._dispatch(
-                    replica, request_ids, prompts, sampling, spec, key, *buckets
+                    replica, request_ids, prompts, sampling, spec, keys[replica], *buckets
                 )
         return self._finish(pending, len(prompts), sampling)
 
@@ -390,7 +397,8 @@ class JaxEngine(Engine):
         spec = SamplerSpec.of(sampling, self.model_config.vocab_size)
         buckets = self._buckets(prompts, sampling)
         request_ids = list(range(len(prompts)))
-        pending = self._dispatch(replica, request_ids, prompts, sampling, spec, key, *buckets)
+        pending = self._dispatch(replica, request_ids, prompts, sampling, spec, np.asarray(key),
+                                 *buckets)
         return self._finish(pending, len(prompts), sampling)
 
     def _finish(self, pending: list[_Pending], num_requests: int,
@@ -451,7 +459,7 @@ class JaxEngine(Engine):
         prompts: list[np.ndarray],
         sampling: SamplingParams,
         spec: SamplerSpec,
-        key: jax.Array,
+        key: np.ndarray,
         prompt_bucket: int,
         new_bucket: int,
     ) -> list[_Pending]:
@@ -485,7 +493,7 @@ class JaxEngine(Engine):
             first += len(batch)
         return pending
 
-    def _host_inputs(self, prompts: list[np.ndarray], sampling: SamplingParams, key: jax.Array,
+    def _host_inputs(self, prompts: list[np.ndarray], sampling: SamplingParams, key: np.ndarray,
                      first: int, prompt_bucket: int) -> dict[str, Any]:
         tokens, lens, request_prompts = pack_prompts(prompts, self.pad_id, prompt_bucket, 1,
                                                      share=self.prefix_caching)
@@ -494,7 +502,7 @@ class JaxEngine(Engine):
         stop_ids[: len(stops)] = stops
         return dict(
             prompts=tokens, prompt_lens=lens, request_prompts=request_prompts,
-            key=np.asarray(key),
+            key=key,
             first_request_index=np.int32(first),
             temperature=np.float32(1.0 if sampling.greedy else sampling.temperature),
             top_p=np.float32(sampling.top_p), stop_ids=stop_ids,
