@@ -370,3 +370,33 @@ def test_a_small_freed_pool_is_left_to_the_heap():
     cpu = jax.devices("cpu")
     assert hostmem.trim(cpu, hostmem.TRIM_FROM_BYTES)
     assert not hostmem.trim(cpu, hostmem.TRIM_FROM_BYTES - 1)
+
+
+def test_a_tail_of_few_live_rows_decodes_packed_with_the_same_samples(tiny):
+    """64 requests with ~30% of tokens a stop: most rows end in a few steps, and the steps after
+    run the live rows packed into 8 rows. Samples equal an engine that decodes all 64
+    slots every step (logprobs within 1e-5), and greedy tokens are still the full forward's
+    argmax."""
+    rng = np.random.default_rng(0)
+    distinct = [rng.integers(9, VOCAB, int(rng.integers(2, 15))).tolist() for _ in range(16)]
+    requests = [p for p in distinct for _ in range(4)]
+    stops = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0,
+                           stop_token_ids=tuple(range(2, 33)))
+    packed = paged_engine(tiny, page_size=4)
+    got = packed.generate(requests, stops, seed=7)
+    assert packed.last_stats[0]["packed_steps"] > 0
+    whole = paged_engine(tiny, page_size=4)
+    whole.pack_decode_rows = False
+    want = whole.generate(requests, stops, seed=7)
+    assert whole.last_stats[0]["packed_steps"] == 0
+    assert as_lists(got) == as_lists(want)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+    lengths = [len(c.tokens) for c in got]
+    assert min(lengths) < 3 and max(lengths) == MAX_NEW  # a tail: the packing had work to do
+    greedy = SamplingParams(max_new_tokens=MAX_NEW, greedy=True,
+                            stop_token_ids=tuple(range(2, 33)))
+    out = packed.generate(requests, greedy, seed=0)
+    assert packed.last_stats[0]["packed_steps"] > 0
+    for prompt, completion in zip(requests, out, strict=True):
+        assert_greedy_matches(tiny[1], prompt, completion)

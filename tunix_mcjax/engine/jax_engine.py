@@ -64,7 +64,8 @@ class _Pending:
 
 
 # Loop statistics an `Outputs` carries, per program: `JaxEngine.last_stats`.
-STAT_NAMES = ("iterations", "prefill_steps", "preemptions", "shared_pages", "peak_pages")
+STAT_NAMES = ("iterations", "prefill_steps", "preemptions", "shared_pages", "peak_pages",
+              "packed_steps")
 
 
 def pow2_at_least(n: int) -> int:
@@ -168,8 +169,11 @@ class JaxEngine(Engine):
     at the caps could use. `max_num_batched_tokens` bounds the prompt tokens one loop iteration
     prefills. `prefix_caching` lets the requests of one prompt share its pages. The pool is made
     on first use and kept, unless `free_pool_after_generate` (a colocated trainer wants the
-    memory between rollouts).
+    memory between rollouts). A decode step runs the live rows only, packed into an eighth of
+    the slots when they fit (`decode_loop.decode_rows`).
     """
+
+    pack_decode_rows = True  # the model runs at any row count (`decode_loop.decode_row_sizes`)
 
     def __init__(
         self,
@@ -519,7 +523,7 @@ class JaxEngine(Engine):
                 self.max_batch_size)),
             num_prompts=u, prompt_len=prompt_bucket, max_new=new_bucket,
             page_size=self.page_size, num_pages=self.num_pages, chunk=chunk,
-            prefill_rows=max(1, min(u, rows)))
+            prefill_rows=max(1, min(u, rows)), pack_decode_rows=self.pack_decode_rows)
 
     @staticmethod
     def _pad_inputs(h: dict[str, Any], shape: ProgramShape) -> dict[str, Any]:

@@ -48,6 +48,10 @@ class MaxTextEngine(JaxEngine):
     decodes about twice as fast as MaxText's scan (README).
     """
 
+    # MaxText's model is built for its batch (`decode_config`), and a MoE's expert capacity
+    # follows the tokens of a call: a row's sample must not depend on how many rows run with it.
+    pack_decode_rows = False
+
     def __init__(self, model_config: Any, devices: Sequence[jax.Device], *,
                  weight_dtype: str | None = None, **kwargs: Any):
         if kwargs.get("lockstep"):
