@@ -294,6 +294,7 @@ def engine_arm(
             "peak_pages": max(s["peak_pages"] for s in stats),
             "shared_pages": sum(s["shared_pages"] for s in stats),
             "preemptions": sum(s["preemptions"] for s in stats),
+            "packed_steps": sum(s["packed_steps"] for s in stats),
             "completions": [c.tokens.tolist() for c in out],
         }
 
