@@ -5,7 +5,7 @@ The launcher joins it through RAY_ADDRESS and takes every host it offers (no --h
 nodes: one trainer and two rollout actors. A fourth node joins, then: two trainer nodes (one
 jax.distributed group, its coordinator on the first trainer's node address) and two rollout
 nodes, one actor per node. Last, as it takes a node away, a killed raylet ends a run, naming the
-actor it held.
+actor it held. Beside it all, a run given no address starts a cluster of its own.
 """
 
 from __future__ import annotations
@@ -88,6 +88,21 @@ def test_demo_across_three_nodes_one_trainer_two_rollouts(tmp_path, ray_nodes):
     """1 trainer node and 2 rollout nodes: a share that is not one of the paper's splits."""
     cluster, nodes = ray_nodes
     check_demo(*run_demo(cluster.address, tmp_path, 0.33), set(nodes), trainers=1)
+
+
+def test_without_an_address_a_run_starts_its_own_cluster_beside_a_running_one(ray_nodes):
+    """With neither rl_ray_address nor RAY_ADDRESS, `connect` starts a local cluster of the
+    run's host units, although one runs here (a bare ray.init would find and join it)."""
+    code = ("import json, sys, ray; from tunix_mcjax.config import load_config; "
+            "from tunix_mcjax.runtime import ray_cluster; "
+            "assert ray_cluster.connect(load_config(None, json.loads(sys.argv[1])), 2); "
+            "print(json.dumps(ray.cluster_resources())); ray.shutdown()")
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run([sys.executable, "-c", code, json.dumps(TINY)], capture_output=True,
+                          text=True, timeout=180, env={**env, "PYTHONPATH": str(REPO)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(proc.stdout.strip().splitlines()[-1])[HOST_RESOURCE] == 2
+    assert all(node.remaining_processes_alive() for node in ray_nodes[1].values())
 
 
 def test_demo_across_four_nodes_one_actor_each_staleness_one_reward_rises(tmp_path, four_nodes):

@@ -34,8 +34,8 @@ OVERFLOWS = "reward_functions=tests.workers.bad_rewards:overflows_after_first_st
 
 @pytest.fixture(scope="module", autouse=True)
 def local_ray():
-    ray.init(num_cpus=4, resources={HOST_RESOURCE: 4}, object_store_memory=256 << 20,
-             include_dashboard=False, configure_logging=False)
+    ray.init(address="local", num_cpus=4, resources={HOST_RESOURCE: 4},
+             object_store_memory=256 << 20, include_dashboard=False, configure_logging=False)
     yield
     ray.shutdown()
 

@@ -49,8 +49,9 @@ class ActorFailed(RuntimeError):
 
 def connect(cfg: Config, hosts: int) -> bool:
     """Joins the cluster at rl_ray_address (else RAY_ADDRESS), or starts a local one of one node
-    offering `hosts` host units; nothing when this process is already connected. True when it
-    connected (the caller disconnects; a joined cluster keeps running)."""
+    offering `hosts` host units, even beside a Ray cluster already running on this machine
+    (which a bare `ray.init` would join); nothing when this process is already connected. True
+    when it connected (the caller disconnects; a joined cluster keeps running)."""
     if ray.is_initialized():
         return False
     address = cfg.rl_ray_address or os.environ.get("RAY_ADDRESS", "")
@@ -58,7 +59,7 @@ def connect(cfg: Config, hosts: int) -> bool:
         _check_reachable(address)
         ray.init(address=address, configure_logging=False, log_to_driver=True)
     else:
-        ray.init(num_cpus=hosts, resources={HOST_RESOURCE: hosts},
+        ray.init(address="local", num_cpus=hosts, resources={HOST_RESOURCE: hosts},
                  object_store_memory=cfg.rl_ray_object_store_mb << 20,
                  include_dashboard=False, configure_logging=False, log_to_driver=True)
     return True
