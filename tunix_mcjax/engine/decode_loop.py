@@ -450,29 +450,30 @@ def decode_rows(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
     """The model and the sampler over the live rows (q_lens > 0) only, packed in row order into
     the fewest of `shape.row_sizes` that hold them, so a step costs what its live rows cost,
     not what the slots would (a long tail of a few long completions runs at a few rows).
-    Returns (tokens [B], logprobs [B], pool, 1 if packed below B else 0); rows that were not
-    live get token 0."""
+    Returns (tokens [B], logprobs [B], pool, 1 if packed below B else 0); the caller reads the
+    live rows' only (a packed step gives the others token 0)."""
     num_slots, live = shape.num_slots, rows.q_lens > 0
 
-    def at_size(size: int):
-        def run(pool):
-            if size == num_slots:
-                pick = jnp.arange(num_slots)
-            else:  # the live rows first, in row order: each keeps its own request and key
-                pick = jnp.argsort(~live, stable=True)[:size]
-            packed = jax.tree.map(lambda x: x[pick], rows)
-            logits, pool = model.forward(params, pool, packed)
+    def every_slot(pool):  # the rows as they stand: nothing to pick or put back
+        logits, pool = model.forward(params, pool, rows)
+        tokens, logprobs = draw(spec, masked_id, inp, logits, requests, index)
+        return tokens, logprobs, pool, jnp.int32(0)
+
+    def packed(size: int):
+        def run(pool):  # the live rows first, in row order: each keeps its own request and key
+            pick = jnp.argsort(~live, stable=True)[:size]
+            logits, pool = model.forward(params, pool, jax.tree.map(lambda x: x[pick], rows))
             tokens, logprobs = draw(spec, masked_id, inp, logits, requests[pick], index[pick])
             return (jnp.zeros((num_slots,), tokens.dtype).at[pick].set(tokens),
                     jnp.zeros((num_slots,), logprobs.dtype).at[pick].set(logprobs), pool,
-                    jnp.int32(size < num_slots))
+                    jnp.int32(1))
         return run
 
     sizes = shape.row_sizes
     if len(sizes) == 1:
-        return at_size(sizes[0])(pool)
+        return every_slot(pool)
     which = jnp.sum(jnp.asarray(sizes[:-1]) < jnp.sum(live))
-    return jax.lax.switch(which, [at_size(size) for size in sizes], pool)
+    return jax.lax.switch(which, [*map(packed, sizes[:-1]), every_slot], pool)
 
 
 # ----- sampling -------------------------------------------------------------------------------
