@@ -102,8 +102,10 @@ def assert_greedy_matches(model, prompt, completion):
     """Tokens are Tunix's argmax (pad excluded) at every step; logprobs are its log_softmax."""
     logits = full_logits(model, prompt + completion.tokens.tolist())[len(prompt) - 1 : -1]
     want_logprobs = jax.nn.log_softmax(logits)[np.arange(len(logits)), completion.tokens]
-    logits[:, PAD] = -np.inf
-    np.testing.assert_array_equal(completion.tokens, logits.argmax(-1))
+    # Mask a copy: JAX on CPU may read `logits` in place, after this line returns.
+    allowed = logits.copy()
+    allowed[:, PAD] = -np.inf
+    np.testing.assert_array_equal(completion.tokens, allowed.argmax(-1))
     np.testing.assert_allclose(completion.logprobs, want_logprobs, atol=1e-4)
 
 
