@@ -141,6 +141,73 @@ def test_attention_reads_only_live_slots_of_a_rows_pages():
     assert pa.page_buckets(21) == (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 15, 18, 21)
 
 
+def shared_prefix_case(page_size: int, seed: int = 0):
+    """Decode rows of four prompts (3, 2, 1 and 2 samples, lengths 7, 13, 2 and 16: the 2-token
+    prompt fills no page) in shuffled rows, one padding row: each row's table begins with its
+    prompt's full pages and goes on with its own. Returns q, keys and values by position,
+    tables, kv_lens, q_lens and the SharedPrefix."""
+    rng = np.random.default_rng(seed)
+    prompt_lens = np.array([7, 13, 2, 16], np.int32)
+    row_prompt = rng.permutation([0, 0, 0, 1, 1, 2, 3, 3, 0])  # the last 0 becomes padding
+    padding = int(np.flatnonzero(row_prompt == 0)[-1])
+    kv_lens = prompt_lens[row_prompt] + rng.integers(1, 12, size=len(row_prompt)).astype(np.int32)
+    q_lens = np.ones(len(row_prompt), np.int32)
+    kv_lens[padding], q_lens[padding] = 0, 0
+    full = prompt_lens // page_size
+    width = 16 // page_size
+    table_pages = pages.cdiv(int(kv_lens.max()), page_size)
+    num_pages = int(full.sum()) + len(row_prompt) * table_pages
+    order = iter(rng.permutation(num_pages))
+    prompt_tables = np.full((4, width), -1, np.int32)
+    for u, n in enumerate(full):
+        prompt_tables[u, :n] = [next(order) for _ in range(n)]
+    tables = np.full((len(row_prompt), table_pages), -1, np.int32)
+    for r, u in enumerate(row_prompt):
+        if r == padding:
+            continue
+        tables[r, :full[u]] = prompt_tables[u, :full[u]]
+        for i in range(full[u], pages.cdiv(int(kv_lens[r]), page_size)):
+            tables[r, i] = next(order)
+    pool_k = rng.normal(size=(num_pages, page_size, 2, 16)).astype(np.float32)
+    pool_v = rng.normal(size=(num_pages, page_size, 2, 16)).astype(np.float32)
+    k_seq = np.zeros((len(row_prompt), table_pages * page_size, 2, 16), np.float32)
+    v_seq = np.zeros_like(k_seq)
+    for r in range(len(row_prompt)):
+        for i, page in enumerate(tables[r]):
+            if page >= 0:
+                k_seq[r, i * page_size:(i + 1) * page_size] = pool_k[page]
+                v_seq[r, i * page_size:(i + 1) * page_size] = pool_v[page]
+    q = rng.normal(size=(len(row_prompt), 1, 4, 16)).astype(np.float32)
+    prefix = pa.SharedPrefix(jnp.asarray(prompt_tables), jnp.asarray(full),
+                             jnp.asarray(row_prompt, jnp.int32), group=4)
+    case = tuple(map(jnp.asarray, (q, k_seq, v_seq, tables, kv_lens, q_lens)))
+    return case, (pool_k, pool_v), prefix
+
+
+@pytest.mark.parametrize("options", [{}, dict(window=5, sinks=jnp.asarray([0.5, -1.0, 2.0, 0.0]),
+                                             soft_cap=2.0, scale=0.3)],
+                         ids=["plain", "window+sinks+cap"])
+@pytest.mark.parametrize("page_size", [3, 4, 16])
+def test_a_groups_shared_prompt_pages_are_attended_once_with_the_same_result(page_size, options):
+    """Cascade attention: each prompt's full pages gathered once for all its rows, the rows'
+    own pages after, merged by log-sum-exp, equals the reference over each row's whole table."""
+    (q, k_seq, v_seq, tables, kv_lens, q_lens), pool, prefix = shared_prefix_case(page_size)
+    want = pa.reference_attention(q, k_seq, v_seq, kv_lens, q_lens, **options)
+    attend = jax.jit(lambda q, layer, tables, kv_lens, q_lens, prefix: pa.SplitPages().attend(
+        q, layer, tables, kv_lens, q_lens, prefix=prefix, **options))
+    got = attend(q, split_layer(*pool), tables, kv_lens, q_lens, prefix)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert np.all(np.asarray(got)[np.asarray(q_lens) == 0] == 0)
+    # A key of prompt 1's first page moves both of its rows (read through the shared part).
+    if page_size < 13 and "window" not in options:  # a window of 5 no longer sees position 0
+        pool_k = pool[0].copy()
+        pool_k[int(prefix.tables[1, 0]), 0] += 3.0
+        moved = attend(q, split_layer(pool_k, pool[1]), tables, kv_lens, q_lens, prefix)
+        rows = np.flatnonzero(np.asarray(prefix.row_prompt) == 1)
+        change = np.abs(np.asarray(moved) - np.asarray(got)).max(axis=(1, 2, 3))
+        assert np.all(change[rows] > 1e-4) and np.all(np.delete(change, rows) == 0)
+
+
 @pytest.mark.parametrize("page_size", [4, 16])
 def test_tpu_kernel_arguments_pass_its_validators_and_its_reference_agrees(page_size):
     """The TPU path's page layout and packed queries, checked on CPU: JAX's

@@ -137,6 +137,12 @@ PROFILES = {
     ),
     # `make demo`'s share of one replica (recipes/cpu/demo.yml on 2 hosts x 2 devices): 4 prompts
     # x 32 samples of 3 tokens, 2 new tokens, its tiny model: what the loop itself costs.
+    # GRPO groups on long prompts: 8 samples of each ~1k-token prompt, short completions, so
+    # a row's keys are mostly its group's prompt (which cascade attention reads once a group).
+    "long-prompt-cpu": EngineProfile(
+        "long-prompt-cpu", prompts=8, generations=8, prompt_lengths=(896, 1024), max_new_tokens=64,
+        ignore_eos=True, stop_token_ids=(), decode_batch=64, repeats=7,
+    ),
     "demo-cpu": EngineProfile(
         "demo-cpu", prompts=4, generations=32, prompt_lengths=(3, 3), max_new_tokens=2,
         ignore_eos=True, stop_token_ids=(), decode_batch=64, repeats=41, model="demo",
@@ -477,9 +483,10 @@ ENGINE_ARMS = {"maxtext": maxtext_arm, "vllm": vllm_arm}
 
 def floor_arm(profile, params, batch: int, steps: int = 32,
               layout: Any = None) -> tuple[Measure, dict]:
-    """Our paged decode step alone (every row at the prompt bucket, pool donated) in a tight
-    loop, and our prefill alone (one chunk of each distinct prompt), jitted, on `layout`
-    (None: the one the engine picks on this platform)."""
+    """Our paged decode step alone (every row at the prompt bucket, each group of
+    `generations` rows on its prompt's pages as in the engine, pool donated) in a tight loop,
+    and our prefill alone (one chunk of each distinct prompt), jitted, on `layout` (None: the
+    one the engine picks on this platform)."""
     prompt_bucket = pow2_at_least(profile.prompt_lengths[1])
     page = pages.DEFAULT_PAGE_SIZE
     table = pages.cdiv(prompt_bucket + steps, page)
@@ -491,20 +498,27 @@ def floor_arm(profile, params, batch: int, steps: int = 32,
     pool = jax.device_put([layout.empty(num_pages, page, mc.num_kv_heads, mc.head_dim,
                                         mc.dtype) for _ in range(mc.num_layers)], device)
 
-    def rows(tokens, positions, tables):
+    def rows(tokens, positions, tables, prefix=None):
         n, c = tokens.shape
         return fwd.PagedRows(
             tokens=tokens, positions=positions,
             write_pages=jnp.take_along_axis(tables, positions // page, axis=1),
             write_offsets=positions % page, tables=tables,
             kv_lens=positions[:, -1] + 1, q_lens=jnp.full((n,), c, jnp.int32),
-            logit_cols=jnp.full((n,), c - 1, jnp.int32))
+            logit_cols=jnp.full((n,), c - 1, jnp.int32), prefix=prefix)
 
     step = jax.jit(lambda p, pool, r: fwd.paged_forward(mc, p, pool, r, layout),
                    donate_argnums=1)
-    tables = jnp.arange(batch * table, dtype=jnp.int32).reshape(batch, table)
+    groups, width = pages.cdiv(batch, profile.generations), prompt_bucket // page
+    prompt_tables = jnp.arange(groups * width, dtype=jnp.int32).reshape(groups, width)
+    row_prompt = jnp.arange(batch, dtype=jnp.int32) // profile.generations
+    own = groups * width + jnp.arange(batch * (table - width), dtype=jnp.int32)
+    tables = jnp.concatenate([prompt_tables[row_prompt], own.reshape(batch, -1)], axis=1)
+    prefix = paged_attention.SharedPrefix(prompt_tables, jnp.full((groups,), width, jnp.int32),
+                                          row_prompt, group=profile.generations)
     decode_rows = [rows(jnp.full((batch, 1), 5, jnp.int32),
-                        jnp.full((batch, 1), prompt_bucket + i, jnp.int32), tables)
+                        jnp.full((batch, 1), prompt_bucket + i, jnp.int32), tables,
+                        prefix if profile.generations > 1 and width else None)
                    for i in range(steps)]
     n = profile.prompts  # the engine prefills each distinct prompt once
     prefill_tables = batch * table + jnp.arange(n * table, dtype=jnp.int32).reshape(n, table)

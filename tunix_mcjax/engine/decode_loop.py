@@ -36,6 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from tunix_mcjax.engine import pages as pg
+from tunix_mcjax.engine.paged_attention import SharedPrefix
 from tunix_mcjax.engine.qwen3_forward import PagedRows
 from tunix_mcjax.engine.sampling import SamplerSpec, sample
 
@@ -55,6 +56,7 @@ class ProgramShape:
     num_pages: int  # the pool's
     chunk: int  # prefill tokens per row
     prefill_rows: int  # prefill rows per iteration
+    group_size: int  # most requests of one prompt (a GRPO group); 1: no prompt is shared
     pack_decode_rows: bool = True  # decode only the live rows, packed (`decode_row_sizes`)
 
     @property
@@ -415,6 +417,7 @@ def decode_phase(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
         kv_lens=jnp.where(active, positions + 1, 0),
         q_lens=active.astype(jnp.int32),
         logit_cols=jnp.zeros((shape.num_slots,), jnp.int32),
+        prefix=shared_prefix(shape, inp, state, prompt),
     )
     request, index = state.row_request, state.row_cursor + 1
     known = index < state.out_lengths[request]
@@ -462,7 +465,7 @@ def decode_rows(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
     def packed(size: int):
         def run(pool):  # the live rows first, in row order: each keeps its own request and key
             pick = jnp.argsort(~live, stable=True)[:size]
-            logits, pool = model.forward(params, pool, jax.tree.map(lambda x: x[pick], rows))
+            logits, pool = model.forward(params, pool, pick_rows(rows, pick))
             tokens, logprobs = draw(spec, masked_id, inp, logits, requests[pick], index[pick])
             return (jnp.zeros((num_slots,), tokens.dtype).at[pick].set(tokens),
                     jnp.zeros((num_slots,), logprobs.dtype).at[pick].set(logprobs), pool,
@@ -474,6 +477,27 @@ def decode_rows(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
         return every_slot(pool)
     which = jnp.sum(jnp.asarray(sizes[:-1]) < jnp.sum(live))
     return jax.lax.switch(which, [*map(packed, sizes[:-1]), every_slot], pool)
+
+
+def pick_rows(rows: PagedRows, pick: jax.Array) -> PagedRows:
+    """Rows `pick` of `rows`; a shared prefix keeps its prompts' pages and picks its rows'."""
+    picked = jax.tree.map(lambda x: x[pick], dataclasses.replace(rows, prefix=None))
+    if rows.prefix is None:
+        return picked
+    prefix = dataclasses.replace(rows.prefix, row_prompt=rows.prefix.row_prompt[pick])
+    return dataclasses.replace(picked, prefix=prefix)
+
+
+def shared_prefix(shape: ProgramShape, inp: Inputs, state: LoopState,
+                  row_prompt: jax.Array) -> SharedPrefix | None:
+    """The prompts' full pages that decode rows share (attended once per prompt), or None
+    when no prompt has two requests or none fills a page."""
+    width = shape.prompt_len // shape.page_size
+    if shape.group_size == 1 or width == 0:
+        return None
+    return SharedPrefix(tables=state.prompt_tables[:, :width],
+                        pages=inp.prompt_lens // shape.page_size, row_prompt=row_prompt,
+                        group=min(shape.group_size, shape.num_slots))
 
 
 # ----- sampling -------------------------------------------------------------------------------

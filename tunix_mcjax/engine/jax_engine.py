@@ -517,13 +517,16 @@ class JaxEngine(Engine):
         """The program shape of a share: the largest request and prompt counts of its replicas."""
         n = max(len(h["request_prompts"]) for h in host_inputs)
         u = max(len(h["prompt_lens"]) for h in host_inputs)
+        group = max(int(np.bincount(h["request_prompts"][h["request_prompts"] >= 0]).max(
+            initial=1)) for h in host_inputs)
         chunk, rows = pages.prefill_chunk(prompt_bucket, self.max_num_batched_tokens)
         return ProgramShape(
             num_requests=n, num_slots=n if self.lockstep else min(n, pow2_at_least(
                 self.max_batch_size)),
             num_prompts=u, prompt_len=prompt_bucket, max_new=new_bucket,
             page_size=self.page_size, num_pages=self.num_pages, chunk=chunk,
-            prefill_rows=max(1, min(u, rows)), pack_decode_rows=self.pack_decode_rows)
+            prefill_rows=max(1, min(u, rows)), group_size=pow2_at_least(group),
+            pack_decode_rows=self.pack_decode_rows)
 
     @staticmethod
     def _pad_inputs(h: dict[str, Any], shape: ProgramShape) -> dict[str, Any]:

@@ -234,7 +234,7 @@ class PagedAttentionOp:
             layer = call.layout.write(layer, rows.write_pages, rows.write_offsets, key, value)
             call.pool[self.slot] = layer
         out = call.layout.attend(query, layer, rows.tables, rows.kv_lens, rows.q_lens,
-                                 window=self.window, sinks=sinks, scale=1.0,
+                                 prefix=rows.prefix, window=self.window, sinks=sinks, scale=1.0,
                                  soft_cap=self.soft_cap)
         return out.astype(query.dtype)
 

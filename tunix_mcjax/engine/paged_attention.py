@@ -28,6 +28,8 @@ sees keys at positions p - window < k <= p, by token position, MaxText's LOCAL_S
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import warnings
 from typing import Any
 
@@ -37,43 +39,74 @@ from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3.model import K_MASK
 
 
-def attend_rows(q, k, v, kv_lens, q_lens, *, window: int | None = None, sinks=None,
-                scale: float | None = None, soft_cap: float | None = None) -> jax.Array:
-    """q [R, C, N, H], k/v [K, R, L, H] (key i of row r at [:, r, i]) -> [R, C, N, H].
+def attend_keys(qg, k, v, q_pos, k_pos, k_live, *, window: int | None = None,
+                scale: float | None = None, soft_cap: float | None = None):
+    """Queries qg [K, X, C, G, H] at positions q_pos [X, C] over the keys and values k/v
+    [K, X, L, H] at positions k_pos [X, L], those where k_live: (outputs [K, X, C, G, H],
+    log-sum-exp of each query's scores [K, X, C, G]), which `combine` merges across key sets.
 
-    Keys and values come kv-head-major, so both contractions are batched over (K, R) with no
+    Keys and values come kv-head-major, so both contractions are batched over (K, X) with no
     transpose of the gathered pages."""
-    r, c, n, h = q.shape
-    kv_heads = k.shape[0]
-    q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(c)[None, :]  # [R, C]
-    k_pos = jnp.arange(k.shape[2])
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :]
-                                                          < kv_lens[:, None, None])
-    if window:
-        mask &= k_pos[None, None, :] > q_pos[:, :, None] - window
-    qg = jnp.moveaxis(q.reshape(r, c, kv_heads, n // kv_heads, h), 2, 0)  # [K, R, C, G, H]
-    scores = jnp.einsum("KRCGH,KRLH->KRCGL", qg, k) * (h**-0.5 if scale is None else scale)
+    scores = jnp.einsum("KXCGH,KXLH->KXCGL", qg, k) * (qg.shape[-1]**-0.5 if scale is None
+                                                        else scale)
     if soft_cap:
         scores = soft_cap * jnp.tanh(scores / soft_cap)
-    scores = jnp.where(mask[None, :, :, None], scores, K_MASK)
+    mask = k_live[:, None, :] & (k_pos[:, None, :] <= q_pos[:, :, None])
+    if window:
+        mask &= k_pos[:, None, :] > q_pos[:, :, None] - window
     # Slots past a row's length hold whatever a page held before: their scores are masked
     # here (a select, so even NaN keys drop out) and their probabilities are exactly 0; values
     # are finite there because `finite_values` is all a layout ever writes.
-    probs = softmax_with_sinks(scores.astype(jnp.float32), sinks, kv_heads).astype(v.dtype)
-    out = jnp.einsum("KRCGL,KRLH->KRCGH", probs, v)
-    out = jnp.moveaxis(out, 0, 2).reshape(r, c, n, h)
-    real = jnp.arange(c)[None, :] < q_lens[:, None]
+    scores = jnp.where(mask[None, :, :, None], scores, K_MASK).astype(jnp.float32)
+    top = jnp.max(scores, axis=-1, keepdims=True)
+    weights = jnp.exp(scores - top)
+    total = jnp.sum(weights, axis=-1, keepdims=True)
+    out = jnp.einsum("KXCGL,KXLH->KXCGH", (weights / total).astype(v.dtype), v)
+    return out, (top + jnp.log(total))[..., 0]
+
+
+def combine(parts, sinks, kv_heads: int) -> jax.Array:
+    """(outputs, log-sum-exp) of attention over disjoint key sets -> attention over their union;
+    with `sinks` [K * G] each head's sink logit joins the denominator (gpt-oss's), with no
+    value. A set with no live key (log-sum-exp near K_MASK) gets weight 0."""
+    lses = [lse for _, lse in parts]
+    if sinks is not None:
+        shape = (kv_heads, *[1] * (lses[0].ndim - 2), -1)  # per head, the last axis
+        lses.append(jnp.broadcast_to(jnp.asarray(sinks, jnp.float32).reshape(shape),
+                                     lses[0].shape))
+    if len(lses) == 1:
+        return parts[0][0]
+    top = functools.reduce(jnp.maximum, lses)
+    weights = [jnp.exp(lse - top) for lse in lses]
+    total = sum(weights)
+    return sum(out * (w / total)[..., None].astype(out.dtype)
+               for (out, _), w in zip(parts, weights, strict=False))
+
+
+def head_groups(q: jax.Array, kv_heads: int) -> jax.Array:
+    """q [R, C, N, H] -> [K, R, C, N / K, H]: each kv head's query heads."""
+    r, c, n, h = q.shape
+    return jnp.moveaxis(q.reshape(r, c, kv_heads, n // kv_heads, h), 2, 0)
+
+
+def rows_of(out: jax.Array, q_lens: jax.Array) -> jax.Array:
+    """Outputs [K, R, C, G, H] -> [R, C, K * G, H], zero at padding queries."""
+    out = jnp.moveaxis(out, 0, 2)
+    out = out.reshape(*out.shape[:2], -1, out.shape[-1])
+    real = jnp.arange(out.shape[1])[None, :] < q_lens[:, None]
     return jnp.where(real[:, :, None, None], out, jnp.zeros_like(out))
 
 
-def softmax_with_sinks(scores: jax.Array, sinks, kv_heads: int) -> jax.Array:
-    """Softmax over the last axis of scores [K, R, C, G, L]; with `sinks` [K * G] each head's
-    sink logit joins the denominator (and takes its share of the probability mass)."""
-    if sinks is None:
-        return jax.nn.softmax(scores, axis=-1)
-    sink = jnp.asarray(sinks, jnp.float32).reshape(kv_heads, 1, 1, -1, 1)
-    sink = jnp.broadcast_to(sink, (*scores.shape[:-1], 1))
-    return jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :-1]
+def attend_rows(q, k, v, kv_lens, q_lens, *, window: int | None = None, sinks=None,
+                scale: float | None = None, soft_cap: float | None = None) -> jax.Array:
+    """q [R, C, N, H], k/v [K, R, L, H] (key i of row r at [:, r, i]) -> [R, C, N, H]."""
+    r, c = q.shape[:2]
+    kv_heads = k.shape[0]
+    q_pos = (kv_lens - q_lens)[:, None] + jnp.arange(c)[None, :]  # [R, C]
+    k_pos = jnp.broadcast_to(jnp.arange(k.shape[2]), (r, k.shape[2]))
+    part = attend_keys(head_groups(q, kv_heads), k, v, q_pos, k_pos, k_pos < kv_lens[:, None],
+                       window=window, scale=scale, soft_cap=soft_cap)
+    return rows_of(combine([part], sinks, kv_heads), q_lens)
 
 
 def finite_values(v: jax.Array) -> jax.Array:
@@ -93,6 +126,23 @@ def reference_attention(q, k_seq, v_seq, kv_lens, q_lens, **options) -> jax.Arra
                         kv_lens[i:i + 1], q_lens[i:i + 1], **options)
             for i in range(q.shape[0])]
     return jnp.concatenate(rows, axis=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class SharedPrefix:
+    """Decode rows that begin with a prompt's pages (a GRPO group's samples): row r's first
+    `pages[row_prompt[r]]` table entries are `tables[row_prompt[r]]`'s. A layout may attend
+    such a prefix once per prompt for all of its rows (cascade attention) instead of once per
+    row; the result is the same."""
+
+    tables: jax.Array  # int32 [U, P]: each prompt's full pages
+    pages: jax.Array  # int32 [U]: how many of them the prompt has
+    row_prompt: jax.Array  # int32 [R]: each row's prompt (anything for padding rows)
+    group: int  # static: the most rows of one prompt in a call
+
+
+jax.tree_util.register_dataclass(SharedPrefix, data_fields=["tables", "pages", "row_prompt"],
+                                 meta_fields=["group"])
 
 
 BUCKETS_PER_OCTAVE = 4  # gather sizes between powers of two: at most 25% past the live pages
@@ -149,17 +199,21 @@ class SplitPages:
             return g.reshape(kv_heads, tables.shape[0], num_pages * page_size, head_dim)
         return gather(layer[0]), gather(layer[1])
 
-    def attend(self, q, layer, tables, kv_lens, q_lens, **options) -> jax.Array:
+    def attend(self, q, layer, tables, kv_lens, q_lens, *, prefix: SharedPrefix | None = None,
+               **options) -> jax.Array:
         """`options`: `attend_rows`' window, sinks, scale and soft_cap.
 
         Decode rows (one query each) read the first n pages of their tables, n picked from
-        `page_buckets` by the longest live row. Prefill chunks read their whole tables: a
-        prompt's table is bounded by the prompt bucket, and one branch per layer instead of one
-        per gather size keeps the program small (a 28-layer model's compiles for minutes on GPU
-        with a switch in every layer's prefill)."""
+        `page_buckets` by the longest live row; with a `prefix`, they attend it once per prompt
+        (`attend_shared`). Prefill chunks read their whole tables: a prompt's table is bounded
+        by the prompt bucket, and one branch per layer instead of one per gather size keeps the
+        program small (a 28-layer model's compiles for minutes on GPU with a switch in every
+        layer's prefill)."""
         if q.shape[1] > 1:
             return attend_rows(q, *self.sequences(layer, tables, tables.shape[1]), kv_lens,
                                q_lens, **options)
+        if prefix is not None:
+            return self.attend_shared(q, layer, tables, kv_lens, q_lens, prefix, **options)
         page_size = layer[0].shape[2]
         buckets = page_buckets(tables.shape[1])
         live = jnp.max(jnp.where(q_lens > 0, kv_lens, 0))
@@ -174,6 +228,52 @@ class SplitPages:
         return jax.lax.switch(index, [branch(n) for n in buckets],
                               q, layer, tables, kv_lens, q_lens)
 
+    def attend_shared(self, q, layer, tables, kv_lens, q_lens, prefix: SharedPrefix, *,
+                      sinks=None, **options) -> jax.Array:
+        """Decode rows (one query each) in two parts merged by their log-sum-exp: the prefix,
+        gathered once per prompt and attended by that prompt's rows together, and each row's
+        own pages after it (over the live ones, as `attend`). A group of G samples reads its
+        prompt's keys once, not G times."""
+        kv_heads, _, page_size, _ = layer[0].shape
+        num_prompts, width = prefix.tables.shape
+        live = q_lens > 0
+        qg = head_groups(q, kv_heads)[:, :, 0]  # [K, R, G, H]
+        q_pos = kv_lens - 1
+        # Each live row's place among its prompt's live rows: their queries form one block.
+        prompt = jnp.where(live, prefix.row_prompt, num_prompts)  # padding: dropped
+        rank = jnp.sum(jnp.tril(prompt[:, None] == prompt[None, :], k=-1), axis=1)
+        block = (prompt, rank)
+        block_q = jnp.zeros((kv_heads, num_prompts, prefix.group, *qg.shape[2:]), q.dtype)
+        block_q = block_q.at[:, prompt, rank].set(qg, mode="drop")
+        block_pos = jnp.zeros((num_prompts, prefix.group), jnp.int32).at[block].set(
+            q_pos, mode="drop")
+        k_pos = jnp.broadcast_to(jnp.arange(width * page_size), (num_prompts, width * page_size))
+        out, lse = attend_keys(block_q, *self.sequences(layer, prefix.tables, width), block_pos,
+                               k_pos, k_pos < (prefix.pages * page_size)[:, None], **options)
+        back = (jnp.minimum(prompt, num_prompts - 1), rank)
+        shared = out[:, back[0], back[1]], lse[:, back[0], back[1]]
+
+        first = jnp.where(live, prefix.pages[back[0]], 0)  # the row's first own table entry
+        own_pages = jnp.where(live, (kv_lens + page_size - 1) // page_size - first, 0)
+        buckets = page_buckets(tables.shape[1])
+        index = jnp.sum(jnp.asarray(buckets[:-1]) < jnp.max(own_pages))
+
+        def branch(n):
+            def attend_own(qg, layer, tables, kv_lens, first):
+                columns = jnp.minimum(first[:, None] + jnp.arange(n)[None], tables.shape[1] - 1)
+                own = jnp.take_along_axis(tables, columns, axis=1)
+                k_pos = first[:, None] * page_size + jnp.arange(n * page_size)[None]
+                out, lse = attend_keys(qg[:, :, None], *self.sequences(layer, own, n),
+                                       q_pos[:, None], k_pos, k_pos < kv_lens[:, None],
+                                       **options)
+                return out[:, :, 0], lse[:, :, 0]
+            return attend_own
+
+        own = jax.lax.switch(index, [branch(n) for n in buckets], qg, layer, tables, kv_lens,
+                             first)
+        out = combine([shared, own], sinks, kv_heads)  # [K, R, G, H]
+        return rows_of(out[:, :, None], q_lens)
+
 
 class GpuPages(SplitPages):
     """SplitPages' layout, with decode steps on JAX's Pallas GPU `paged_attention` kernel: its
@@ -184,12 +284,13 @@ class GpuPages(SplitPages):
     def __init__(self, interpret: bool = False):
         self.interpret = interpret
 
-    def attend(self, q, layer, tables, kv_lens, q_lens, *, window: int | None = None,
-               sinks=None, scale: float | None = None, soft_cap: float | None = None
-               ) -> jax.Array:
+    def attend(self, q, layer, tables, kv_lens, q_lens, *, prefix: SharedPrefix | None = None,
+               window: int | None = None, sinks=None, scale: float | None = None,
+               soft_cap: float | None = None) -> jax.Array:
+        """The kernel reads each row's pages by its table; `prefix` is for the XLA path."""
         if q.shape[1] != 1 or window or sinks is not None:
-            return super().attend(q, layer, tables, kv_lens, q_lens, window=window, sinks=sinks,
-                                  scale=scale, soft_cap=soft_cap)
+            return super().attend(q, layer, tables, kv_lens, q_lens, prefix=prefix,
+                                  window=window, sinks=sinks, scale=scale, soft_cap=soft_cap)
         with warnings.catch_warnings():  # JAX marks the module deprecated; it ships in 0.12
             warnings.simplefilter("ignore", DeprecationWarning)
             from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
@@ -235,9 +336,10 @@ class CombinedPages:
         g = jnp.moveaxis(g.reshape(tables.shape[0], -1, *g.shape[3:]), 2, 0)  # [2K, R, L, H]
         return g[0::2], g[1::2]
 
-    def attend(self, q, layer, tables, kv_lens, q_lens, *, window: int | None = None,
-               sinks=None, scale: float | None = None, soft_cap: float | None = None
-               ) -> jax.Array:
+    def attend(self, q, layer, tables, kv_lens, q_lens, *, prefix: SharedPrefix | None = None,
+               window: int | None = None, sinks=None, scale: float | None = None,
+               soft_cap: float | None = None) -> jax.Array:
+        """The kernel reads each row's pages by its table; `prefix` is not needed."""
         if sinks is not None:
             raise NotImplementedError("JAX's TPU ragged_paged_attention has no attention sinks "
                                       "(gpt-oss): decode it with SplitPages")

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from tunix.models.qwen3.model import K_MASK, ModelConfig
 
 from tunix_mcjax import lora
-from tunix_mcjax.engine.paged_attention import CombinedPages, SplitPages
+from tunix_mcjax.engine.paged_attention import CombinedPages, SharedPrefix, SplitPages
 
 Params = dict[str, Any]
 # Tunix 0.1.7's attention calls `apply_rope` without `config.rope_theta`, so its Qwen3 always
@@ -41,6 +41,7 @@ class PagedRows:
     kv_lens: jax.Array  # int32 [R]: tokens of the row's sequence after this call
     q_lens: jax.Array  # int32 [R]: real tokens of the row in this call
     logit_cols: jax.Array  # int32 [R]: the column whose logits are returned
+    prefix: SharedPrefix | None = None  # decode rows' shared prompt pages, where known
 
 
 jax.tree_util.register_dataclass(PagedRows)
@@ -147,7 +148,8 @@ def paged_forward(
 
         def attend(q, k, v, layer_pool=layer_pool):
             written = layout.write(layer_pool, rows.write_pages, rows.write_offsets, k, v)
-            return layout.attend(q, written, rows.tables, rows.kv_lens, rows.q_lens), written
+            return layout.attend(q, written, rows.tables, rows.kv_lens, rows.q_lens,
+                                 prefix=rows.prefix), written
 
         x, layer_pool = decoder_layer(cfg, params["layers"][str(i)], x, rows.positions, attend)
         new_pool.append(layer_pool)
