@@ -167,7 +167,8 @@ def test_greedy_decode_is_the_full_forwards_argmax(world):
 
 
 # Decode well past the sliding window of 8, across pages of 4 tokens, through a pool that holds
-# one sequence at the caps but not two: the second row is preempted and recomputed.
+# one sequence at the caps but not two: the second row is preempted and recomputed. The first two
+# requests are two samples of one prompt: they share its full pages and attend them once.
 LONG_NEW, PAGE = 48, 4
 WINDOWED = {"gpt_oss", "gemma4", "gemma4_unscanned", "gemma4_small"}
 
@@ -178,9 +179,10 @@ def test_long_decode_past_the_window_across_pages_and_preemption(world):
                            max_prompt_length=16, max_new_tokens=LONG_NEW, max_batch_size=2,
                            page_size=PAGE, num_pages=24)
     engine.load_weights(policy.maxtext_tree(world.params))
-    prompts = world.prompts[:3]
+    prompts = [world.prompts[1], world.prompts[1], world.prompts[0]]  # 9 tokens: 2 full pages
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=LONG_NEW, greedy=True), seed=0)
     assert sum(stats["preemptions"] for stats in engine.last_stats) > 0
+    assert sum(stats["shared_pages"] for stats in engine.last_stats) > 0
     for prompt, out in zip(prompts, outs, strict=True):
         assert len(out.tokens) == LONG_NEW  # 6x the window, 12 pages and more
         steps = world.check_against_forward(prompt, out)
