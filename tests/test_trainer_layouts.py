@@ -56,10 +56,11 @@ def test_accumulated_update_equals_the_one_batch_update(updates, variant):
 @pytest.mark.slow  # ~1 min; the 4-device layouts above cover accumulation in the default suite
 def test_two_hosts_accumulating_sharded_update_equals_tunix(tmp_path):
     """2 processes x 2 devices: micro-batches over the global fsdp axis, params sharded through
-    compute, against Tunix's one-batch update (same reference as test_colocated's)."""
+    compute: each fixed-update case's loss and applied gradient against Tunix's grpo_loss_fn
+    on the one padded batch (test_colocated's reference)."""
     from tests.mp import TINY, launch_worker
-    from tests.test_colocated import tunix_reference_update
-    from tests.workers.fixed_update import fixed_batch
+    from tests.test_colocated import tunix_reference_grads
+    from tests.workers.fixed_update import CASES, fixed_batch
     from tunix_mcjax import memory, packing
     from tunix_mcjax.config import load_config
 
@@ -77,8 +78,9 @@ def test_two_hosts_accumulating_sharded_update_equals_tunix(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     npz = np.load(tmp_path / "upd" / "update.npz")
     cfg = load_config(REPO / "recipes/cpu/demo.yml", overrides)
-    ref_loss, ref_params = tunix_reference_update(cfg, npz)
-    assert float(npz["loss"]) == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
-    for key, want in ref_params.items():
-        np.testing.assert_allclose(npz[f"final/{key}"], want, rtol=1e-5,
-                                   atol=1e-5 * np.abs(want).max(), err_msg=key)
+    for case, changes in CASES.items():
+        ref_loss, ref_grads = tunix_reference_grads(cfg.replace(**changes), npz, case)
+        assert float(npz[f"{case}/loss"]) == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
+        for key, want in ref_grads.items():
+            np.testing.assert_allclose(npz[f"{case}/grad/{key}"], want, rtol=1e-5,
+                                       atol=1e-5 * np.abs(want).max(), err_msg=f"{case} {key}")
