@@ -200,79 +200,74 @@ class SplitPages:
         return gather(layer[0]), gather(layer[1])
 
     def attend(self, q, layer, tables, kv_lens, q_lens, *, prefix: SharedPrefix | None = None,
-               **options) -> jax.Array:
+               sinks=None, **options) -> jax.Array:
         """`options`: `attend_rows`' window, sinks, scale and soft_cap.
 
-        Decode rows (one query each) read the first n pages of their tables, n picked from
-        `page_buckets` by the longest live row; with a `prefix`, they attend it once per prompt
-        (`attend_shared`). Prefill chunks read their whole tables: a prompt's table is bounded
-        by the prompt bucket, and one branch per layer instead of one per gather size keeps the
-        program small (a 28-layer model's compiles for minutes on GPU with a switch in every
-        layer's prefill)."""
+        Decode rows (one query each) read their own pages up to the longest live row
+        (`attend_own`); with a `prefix`, their prompts' pages first, once per prompt
+        (`attend_shared`), the two merged by log-sum-exp (`combine`). Prefill chunks read
+        their whole tables: a prompt's table is bounded by the prompt bucket, and one branch
+        per layer instead of one per gather size keeps the program small (a 28-layer model's
+        compiles for minutes on GPU with a switch in every layer's prefill)."""
         if q.shape[1] > 1:
             return attend_rows(q, *self.sequences(layer, tables, tables.shape[1]), kv_lens,
-                               q_lens, **options)
-        if prefix is not None:
-            return self.attend_shared(q, layer, tables, kv_lens, q_lens, prefix, **options)
+                               q_lens, sinks=sinks, **options)
+        kv_heads = layer[0].shape[0]
+        qg = head_groups(q, kv_heads)[:, :, 0]  # [K, R, G, H]: one query a row
+        if prefix is None:
+            first = jnp.zeros_like(kv_lens)
+            parts = [self.attend_own(qg, layer, tables, kv_lens, q_lens, first, **options)]
+        else:
+            shared, first = self.attend_shared(qg, layer, kv_lens, q_lens, prefix, **options)
+            parts = [shared, self.attend_own(qg, layer, tables, kv_lens, q_lens, first,
+                                             **options)]
+        return rows_of(combine(parts, sinks, kv_heads)[:, :, None], q_lens)
+
+    def attend_shared(self, qg, layer, kv_lens, q_lens, prefix: SharedPrefix, **options):
+        """Decode queries qg [K, R, G, H] over their prompts' full pages, gathered once per
+        prompt and attended by that prompt's rows together: a group of G samples reads its
+        prompt's keys once, not G times. Returns ((outputs, log-sum-exp) per row, each row's
+        first own table entry)."""
         page_size = layer[0].shape[2]
-        buckets = page_buckets(tables.shape[1])
-        live = jnp.max(jnp.where(q_lens > 0, kv_lens, 0))
-        index = jnp.sum(jnp.asarray(buckets[:-1]) < (live + page_size - 1) // page_size)
-
-        def branch(n):
-            def attend_n(q, layer, tables, kv_lens, q_lens):
-                return attend_rows(q, *self.sequences(layer, tables, n), kv_lens, q_lens,
-                                   **options)
-            return attend_n
-
-        return jax.lax.switch(index, [branch(n) for n in buckets],
-                              q, layer, tables, kv_lens, q_lens)
-
-    def attend_shared(self, q, layer, tables, kv_lens, q_lens, prefix: SharedPrefix, *,
-                      sinks=None, **options) -> jax.Array:
-        """Decode rows (one query each) in two parts merged by their log-sum-exp: the prefix,
-        gathered once per prompt and attended by that prompt's rows together, and each row's
-        own pages after it (over the live ones, as `attend`). A group of G samples reads its
-        prompt's keys once, not G times."""
-        kv_heads, _, page_size, _ = layer[0].shape
         num_prompts, width = prefix.tables.shape
         live = q_lens > 0
-        qg = head_groups(q, kv_heads)[:, :, 0]  # [K, R, G, H]
         q_pos = kv_lens - 1
         # Each live row's place among its prompt's live rows: their queries form one block.
         prompt = jnp.where(live, prefix.row_prompt, num_prompts)  # padding: dropped
         rank = jnp.sum(jnp.tril(prompt[:, None] == prompt[None, :], k=-1), axis=1)
-        block = (prompt, rank)
-        block_q = jnp.zeros((kv_heads, num_prompts, prefix.group, *qg.shape[2:]), q.dtype)
+        block_q = jnp.zeros((qg.shape[0], num_prompts, prefix.group, *qg.shape[2:]), qg.dtype)
         block_q = block_q.at[:, prompt, rank].set(qg, mode="drop")
-        block_pos = jnp.zeros((num_prompts, prefix.group), jnp.int32).at[block].set(
+        block_pos = jnp.zeros((num_prompts, prefix.group), jnp.int32).at[prompt, rank].set(
             q_pos, mode="drop")
         k_pos = jnp.broadcast_to(jnp.arange(width * page_size), (num_prompts, width * page_size))
         out, lse = attend_keys(block_q, *self.sequences(layer, prefix.tables, width), block_pos,
                                k_pos, k_pos < (prefix.pages * page_size)[:, None], **options)
         back = (jnp.minimum(prompt, num_prompts - 1), rank)
-        shared = out[:, back[0], back[1]], lse[:, back[0], back[1]]
+        first = jnp.where(live, prefix.pages[back[0]], 0)
+        return (out[:, back[0], back[1]], lse[:, back[0], back[1]]), first
 
-        first = jnp.where(live, prefix.pages[back[0]], 0)  # the row's first own table entry
-        own_pages = jnp.where(live, (kv_lens + page_size - 1) // page_size - first, 0)
+    def attend_own(self, qg, layer, tables, kv_lens, q_lens, first, **options):
+        """Decode queries qg [K, R, G, H] over their tables from entry `first` [R] on, up to
+        the longest live row's pages (n from `page_buckets`, a `lax.switch` over them):
+        (outputs, log-sum-exp) per row."""
+        page_size = layer[0].shape[2]
+        own_pages = jnp.where(q_lens > 0, (kv_lens + page_size - 1) // page_size - first, 0)
         buckets = page_buckets(tables.shape[1])
         index = jnp.sum(jnp.asarray(buckets[:-1]) < jnp.max(own_pages))
 
         def branch(n):
-            def attend_own(qg, layer, tables, kv_lens, first):
+            def attend_n(qg, layer, tables, kv_lens, first):
                 columns = jnp.minimum(first[:, None] + jnp.arange(n)[None], tables.shape[1] - 1)
                 own = jnp.take_along_axis(tables, columns, axis=1)
                 k_pos = first[:, None] * page_size + jnp.arange(n * page_size)[None]
                 out, lse = attend_keys(qg[:, :, None], *self.sequences(layer, own, n),
-                                       q_pos[:, None], k_pos, k_pos < kv_lens[:, None],
+                                       (kv_lens - 1)[:, None], k_pos, k_pos < kv_lens[:, None],
                                        **options)
                 return out[:, :, 0], lse[:, :, 0]
-            return attend_own
+            return attend_n
 
-        own = jax.lax.switch(index, [branch(n) for n in buckets], qg, layer, tables, kv_lens,
-                             first)
-        out = combine([shared, own], sinks, kv_heads)  # [K, R, G, H]
-        return rows_of(out[:, :, None], q_lens)
+        return jax.lax.switch(index, [branch(n) for n in buckets], qg, layer, tables, kv_lens,
+                              first)
 
 
 class GpuPages(SplitPages):
