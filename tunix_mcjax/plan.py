@@ -275,14 +275,14 @@ def paged_shape(cfg: Config, cluster: Cluster, m: ModelShape) -> PagedShape:
         prefill_rows=max(1, min(u, rows_per_budget)))
 
 
-# Attention over gathered pages (`paged_attention.xla_attention`, the CPU and GPU path), as XLA's
-# CPU buffer assignment lays it out for the engine's compiled program: the gathered pages, then
-# the keys and values split from them (two copies of the gathered bytes), and three [queries,
-# keys] buffers per head in the compute dtype (scores, masked scores, probabilities; the fp32
-# softmax fuses into them). Checked against the program's memory analysis (`tests/test_plan.py`).
-# On TPU the Pallas kernel reads pages in place, so these are upper bounds there.
-GATHER_COPIES = 2
-SCORE_COPIES = 3
+# Attention over gathered pages (`paged_attention.SplitPages`, the CPU and GPU path), as XLA's
+# CPU buffer assignment lays it out for the engine's compiled program: each row's pages
+# gathered once, kv-head-major (already the keys and values, no split copy), and two [queries,
+# keys] buffers per head in the compute dtype (in bf16 the fp32 softmax over the scores; in
+# fp32 the scores and their exponentials). Checked against the program's memory analysis
+# (`tests/test_plan.py`). On TPU the Pallas kernel reads pages in place: upper bounds there.
+GATHER_COPIES = 1
+SCORE_COPIES = 2
 # fp32 [rows, vocab] copies a decode step makes: the logits and the sampler's sorted top-p.
 SAMPLER_LOGIT_COPIES = 4
 
@@ -315,19 +315,25 @@ def paged_engine_items(cfg: Config, shape: PagedShape, m: ModelShape) -> dict[st
         * shape.page_size
     prefill = layer_pass_bytes(m, c, shape.prefill_rows, shape.chunk, prompt_keys) // tp
     decode = layer_pass_bytes(m, c, shape.num_slots, 1, table_keys) // tp
+    weight_dtype = cfg.rollout_weight_dtype or cfg.weight_dtype
     return {
         "engine weights": engine_weight_bytes(cfg, m),
         "KV page pool": shape.pool_pages * shape.page_bytes,
         "prefill chunk scratch": prefill + shape.prefill_rows * 4 * m.vocab,
         "decode scratch": decode + shape.num_slots * SAMPLER_LOGIT_COPIES * 4 * m.vocab,
         "prompt logits": shape.num_prompts * 4 * m.vocab,
+        # Weights kept in another dtype than the compute dtype (fp32 weights, bf16 compute):
+        # XLA casts all of them at once in each model call and holds the copies through it.
+        "engine weights cast": 0 if weight_dtype == cfg.dtype else m.param_count * c // tp,
     }
 
 
 def generate_scratch(items: dict[str, int]) -> int:
-    """What generate adds beside the pool: the prompt logits (loop state) and the larger of a
-    prefill chunk and a decode step, which take turns in one loop iteration."""
-    return items["prompt logits"] + max(items["prefill chunk scratch"], items["decode scratch"])
+    """What generate adds beside the pool: the prompt logits (loop state), the larger of a
+    prefill chunk and a decode step, which take turns in one loop iteration, and the weights
+    cast to the compute dtype that either holds."""
+    return items["prompt logits"] + max(items["prefill chunk scratch"], items["decode scratch"]) \
+        + items["engine weights cast"]
 
 
 def cpu_host_items(cfg: Config, cluster: Cluster, m: ModelShape) -> dict[str, int]:
