@@ -240,10 +240,15 @@ def engine_replicas(cfg: Config, cluster: Cluster) -> int:
     return cluster.devices_per_host // cfg.rollout_tensor_parallelism
 
 
+def engine_weight_dtype(cfg: Config) -> str:
+    """The dtype of the engine's copy of the weights (`rollout_weight_dtype`, else the
+    trainer's `weight_dtype`)."""
+    return cfg.rollout_weight_dtype or cfg.weight_dtype
+
+
 def engine_weight_bytes(cfg: Config, m: ModelShape) -> int:
     """The engine's copy of the weights on one device (tensor parallelism splits it)."""
-    weight_dtype = cfg.rollout_weight_dtype or cfg.weight_dtype
-    return m.param_count * DTYPE_BYTES[weight_dtype] // cfg.rollout_tensor_parallelism
+    return m.param_count * DTYPE_BYTES[engine_weight_dtype(cfg)] // cfg.rollout_tensor_parallelism
 
 
 def paged_shape(cfg: Config, cluster: Cluster, m: ModelShape) -> PagedShape:
@@ -315,7 +320,6 @@ def paged_engine_items(cfg: Config, shape: PagedShape, m: ModelShape) -> dict[st
         * shape.page_size
     prefill = layer_pass_bytes(m, c, shape.prefill_rows, shape.chunk, prompt_keys) // tp
     decode = layer_pass_bytes(m, c, shape.num_slots, 1, table_keys) // tp
-    weight_dtype = cfg.rollout_weight_dtype or cfg.weight_dtype
     return {
         "engine weights": engine_weight_bytes(cfg, m),
         "KV page pool": shape.pool_pages * shape.page_bytes,
@@ -324,7 +328,8 @@ def paged_engine_items(cfg: Config, shape: PagedShape, m: ModelShape) -> dict[st
         "prompt logits": shape.num_prompts * 4 * m.vocab,
         # Weights kept in another dtype than the compute dtype (fp32 weights, bf16 compute):
         # XLA casts all of them at once in each model call and holds the copies through it.
-        "engine weights cast": 0 if weight_dtype == cfg.dtype else m.param_count * c // tp,
+        "engine weights cast": 0 if engine_weight_dtype(cfg) == cfg.dtype
+        else m.param_count * c // tp,
     }
 
 
@@ -481,7 +486,7 @@ def table(p: Plan) -> str:
         f"{cfg.model_name}: {p.model.param_count / 1e9:.3f}B params, {cl.hosts} hosts x "
         f"{cl.devices_per_host} devices, {cl.device_bytes / GIB:.1f} GiB per device",
         f"weights {cfg.weight_dtype}, compute {cfg.dtype}, engine "
-        f"{cfg.rollout_weight_dtype or cfg.weight_dtype}; params "
+        f"{engine_weight_dtype(cfg)}; params "
         f"{'gathered once' if lay.gather_once else 'sharded through compute'} "
         f"(fsdp_gather_params_once={cfg.fsdp_gather_params_once})",
         f"train: {lay.rows_per_device} rows x {cfg.max_target_length} tokens per device, "
