@@ -37,6 +37,13 @@ token j >= 1 of a request reads its prompt and j tokens: sum over requests and j
 (prompt + j) x per-token KV bytes, its mean over those steps the mean live length), I the
 arm's decode iterations. `--no-tunix` leaves Tunix's Sampler out.
 
+`--launches N` runs the whole comparison N times, each launch in fresh processes, and reports
+the engine arm's tokens/s over each other arm's across them (Appendix A): per launch, pooled
+(launches, then blocks of repeats, resampled: `bench.stats.launch_bootstrap_ratio`) and the Welch
+interval on log launch medians. A process's placement and compile luck persist through it: the
+same code in two processes of one run has differed by 5% with disjoint repeat intervals, so a
+single launch's interval is too narrow for a verdict near 1.
+
 * `--engine maxtext`: the maxtext engine (MaxText's own model, its own random init) with the
   engine arm's loop settings; tokens/s against the JAX engine and Tunix. `--maxtext-model`:
   `qwen3`, MaxText's dense Qwen3 of the same shape, or `qwen3-moe`, MaxText's Qwen3 MoE of that
@@ -47,7 +54,7 @@ arm's decode iterations. `--no-tunix` leaves Tunix's Sampler out.
     python -m tunix_mcjax.bench.engine [--profile NAME] [--engine maxtext|vllm ...]
         [--maxtext-model qwen3|qwen3-moe] [--maxtext-rev REV] [--rev REV [--rev-tree DIR]]
         [--layout auto|xla|gpu|gpu-interpret] [--[no-]xla-arm] [--no-tunix] [--repeats N]
-        [--json FILE]
+        [--launches N] [--json FILE]
 """
 
 from __future__ import annotations
@@ -55,8 +62,10 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import multiprocessing
 import os
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -68,6 +77,7 @@ from flax import nnx
 from tunix.generate import sampler as tunix_sampler
 from tunix.models.qwen3 import model as qwen3
 
+from tunix_mcjax.bench.stats import launch_bootstrap_ratio, welch_log_ratio
 from tunix_mcjax.engine import paged_attention, pages
 from tunix_mcjax.engine import qwen3_forward as fwd
 from tunix_mcjax.engine.base import SamplingParams
@@ -599,8 +609,9 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
         rev_tree: str | None = None, layout: str = "auto", tunix: bool = True,
         hbm_bandwidth: float | None = None, progress: Progress | None = None
         ) -> dict[str, Any]:
-    """Warm every arm up, then run the arms interleaved, once each per repeat, so that load
-    from other processes hits them alike. `engines` names `ENGINE_ARMS` to add; `rev` adds
+    """Warm every arm up, then run the arms interleaved, once each per repeat in a shuffled
+    order (each record keeps its `position`), so that load from other processes and the wake
+    of the arm before hit them alike. `engines` names `ENGINE_ARMS` to add; `rev` adds
     that revision's JAX engine (its package from `rev_tree` if given); `maxtext_model` is the
     maxtext arm's model (`MAXTEXT_MODELS`), `maxtext_rev` adds that revision's maxtext engine
     on it. `layout` (`LAYOUTS`) is the engine arm's page layout; `tunix` runs Tunix's Sampler;
@@ -672,9 +683,13 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
         add("floor_xla", floor_arm, profile, params, decode_batch,
             layout=paged_attention.SplitPages())
     records.update({name: [] for name in arms})
+    order = np.random.default_rng(0)
     for rep in range(profile.repeats):
-        for name, (measure, _) in arms.items():
-            records[name].append(measure(rep))
+        # A fresh order each repeat: an arm runs slower right after some arms (at demo-cpu,
+        # 2x after the floor's tight loop), and a fixed order charged that to one arm alone.
+        for position, i in enumerate(order.permutation(len(arms))):
+            name = list(arms)[i]
+            records[name].append({**arms[name][0](rep), "position": int(position)})
         tell(f"repeat {rep + 1} of {profile.repeats}")
     same = {name: same_outputs(records[name], records["engine"])
             for name in ("engine_short_cap", "engine_xla", "rev") if name in records}
@@ -864,6 +879,92 @@ def print_table(result: dict[str, Any]) -> None:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class ProgressPrinter:
+    """`run`'s progress on stderr; with `json_path`, what has run so far (no completions) in
+    `json_path`.partial, in case the run is cut short. A dataclass, so a launch can take it."""
+
+    profile: EngineProfile
+    json_path: str | None = None
+
+    def __call__(self, what: str, state: dict) -> None:
+        print(f"[{state['elapsed_s']:7.1f} s] {what} (XLA compiles so far "
+              f"{state['compile_s']:.1f} s)", file=sys.stderr, flush=True)
+        if self.json_path:
+            records = {name: [{k: v for k, v in r.items() if k != "completions"} for r in rs]
+                       for name, rs in state["records"].items()}
+            with open(f"{self.json_path}.partial", "w") as f:
+                json.dump({"profile": dataclasses.asdict(self.profile), "done": what, **state,
+                           "records": records}, f, indent=1)
+
+
+LAUNCH_TIMEOUT_S = 4 * 3600  # one launch of the slowest profile with every arm takes < 1 h
+
+
+def one_launch(run_args: dict[str, Any], out: str) -> None:
+    """A launch, in a fresh process: `run(**run_args)`, its table, its result in `out`."""
+    result = run(**run_args)
+    print_table(result)
+    with open(out, "w") as f:
+        json.dump(result, f)
+
+
+def run_launches(launches: int, run_args: dict[str, Any]) -> dict[str, Any]:
+    """`run(**run_args)` `launches` times, one after another, each in a fresh process (its rev
+    workers too): each launch's result, and `across_launches` of them."""
+    spawn = multiprocessing.get_context("spawn")
+    results = []
+    with tempfile.TemporaryDirectory() as folder:
+        for i in range(launches):
+            print(f"launch {i + 1} of {launches}", file=sys.stderr, flush=True)
+            out = os.path.join(folder, f"launch-{i}.json")
+            proc = spawn.Process(target=one_launch, args=(run_args, out))
+            proc.start()
+            proc.join(LAUNCH_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+                raise TimeoutError(f"launch {i + 1} ran past {LAUNCH_TIMEOUT_S} s")
+            if proc.exitcode != 0:
+                raise RuntimeError(f"launch {i + 1} of {launches} exited with {proc.exitcode} "
+                                   "(its error is above)")
+            with open(out) as f:
+                results.append(json.load(f))
+    return {"launches": results, "across_launches": across_launches(results)}
+
+
+def across_launches(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """For each generating arm of the launches' `results`: the engine arm's tokens/s over the
+    arm's, per launch (ratio of medians), pooled (`launch_bootstrap_ratio`: launches, then
+    blocks of repeats, resampled) and over launch medians (`welch_log_ratio`)."""
+    if len(results) < 2:
+        raise ValueError(f"a comparison across launches needs >= 2 of them, got {len(results)}")
+    engine = [tokens_per_s(r["records"]["engine"]) for r in results]
+    out = {}
+    for name in results[0]["tokens_per_s"]:
+        if name == "engine":
+            continue
+        arm = [tokens_per_s(r["records"][name]) for r in results]
+        out[name] = {
+            "per_launch": [float(np.median(e) / np.median(a)) for e, a in zip(engine, arm,
+                                                                              strict=True)],
+            "pooled_ci95": launch_bootstrap_ratio(engine, arm).as_dict(),
+            "welch_ci95": welch_log_ratio([np.median(e) for e in engine],
+                                          [np.median(a) for a in arm]).as_dict(),
+        }
+    return out
+
+
+def print_launches(combined: dict[str, Any]) -> None:
+    results = combined["launches"]
+    print(f"across {len(results)} launches, engine tokens/s over each arm's:")
+    for name, ratios in combined["across_launches"].items():
+        pooled, welch = ratios["pooled_ci95"], ratios["welch_ci95"]
+        each = " ".join(f"{r:.2f}" for r in ratios["per_launch"])
+        print(f"  {name:<16} per launch {each}; pooled {pooled['median']:.2f} [95% CI "
+              f"{pooled['ci_low']:.2f}, {pooled['ci_high']:.2f}]; over launch medians "
+              f"{welch['median']:.2f} [Welch {welch['ci_low']:.2f}, {welch['ci_high']:.2f}]")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="gsm8k-cpu")
@@ -890,7 +991,12 @@ def main(argv: Sequence[str] | None = None) -> None:
                         "(default: an H200's 4.8e12 on a GPU, none elsewhere)")
     parser.add_argument("--repeats", type=int, help="timed repeats per arm (default: the "
                         "profile's); more narrow the intervals on a loaded machine")
+    parser.add_argument("--launches", type=int, default=1, help="run the comparison this many "
+                        "times, each in fresh processes, and report the ratios across them "
+                        "(default 1; 3 or more for a verdict near 1)")
     args = parser.parse_args(argv)
+    if args.launches < 1:
+        parser.error(f"--launches must be >= 1, got {args.launches}")
     if args.rev_tree and not args.rev:
         parser.error("--rev-tree needs --rev (the revision it holds)")
     profile = PROFILES[args.profile]
@@ -899,20 +1005,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     if args.xla_arm is not None:
         profile = dataclasses.replace(profile, xla_arm=args.xla_arm)
 
-    def progress(what: str, state: dict) -> None:
-        print(f"[{state['elapsed_s']:7.1f} s] {what} (XLA compiles so far "
-              f"{state['compile_s']:.1f} s)", file=sys.stderr, flush=True)
-        if args.json:  # what has run so far (no completions), in case the run is cut short
-            records = {name: [{k: v for k, v in r.items() if k != "completions"} for r in rs]
-                       for name, rs in state["records"].items()}
-            with open(f"{args.json}.partial", "w") as f:
-                json.dump({"profile": dataclasses.asdict(profile), "done": what, **state,
-                           "records": records}, f, indent=1)
-
-    result = run(profile, args.engine, args.rev, args.maxtext_model, args.maxtext_rev,
-                 rev_tree=args.rev_tree, layout=args.layout, tunix=not args.no_tunix,
-                 hbm_bandwidth=args.hbm_bandwidth, progress=progress)
-    print_table(result)
+    run_args = {"profile": profile, "engines": args.engine, "rev": args.rev,
+                "maxtext_model": args.maxtext_model, "maxtext_rev": args.maxtext_rev,
+                "rev_tree": args.rev_tree, "layout": args.layout, "tunix": not args.no_tunix,
+                "hbm_bandwidth": args.hbm_bandwidth}
+    if args.launches > 1:
+        result = run_launches(args.launches, {**run_args, "progress": ProgressPrinter(profile)})
+        print_launches(result)
+    else:
+        result = run(**run_args, progress=ProgressPrinter(profile, args.json))
+        print_table(result)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
