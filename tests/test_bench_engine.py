@@ -36,3 +36,14 @@ def test_across_launches_needs_two():
 def test_launches_must_be_positive():
     with pytest.raises(SystemExit):
         bench.main(["--launches", "0"])
+
+
+def test_across_launches_cap_wall_ratio():
+    """With a short-cap arm: the engine's generate wall over it, launch by launch."""
+    results = [launch([3.0, 3.0], [1.0, 1.0]), launch([2.0, 2.0], [2.0, 2.0])]
+    for result in results:
+        result["records"]["engine_short_cap"] = result["records"].pop("rev")
+        result["tokens_per_s"] = {"engine": {}, "engine_short_cap": {}}
+    got = bench.across_launches(results)
+    assert got["cap_wall_ratio"]["per_launch"] == pytest.approx([3.0, 1.0])
+    assert got["engine_short_cap"]["per_launch"] == pytest.approx([1 / 3, 1.0])

@@ -934,29 +934,39 @@ def run_launches(launches: int, run_args: dict[str, Any]) -> dict[str, Any]:
 
 def across_launches(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """For each generating arm of the launches' `results`: the engine arm's tokens/s over the
-    arm's, per launch (ratio of medians), pooled (`launch_bootstrap_ratio`: launches, then
-    blocks of repeats, resampled) and over launch medians (`welch_log_ratio`)."""
+    arm's; with a short cap, also `cap_wall_ratio` (the engine's generate wall over the
+    short-cap arm's). Each per launch (ratio of medians), pooled (`launch_bootstrap_ratio`:
+    launches, then blocks of repeats, resampled) and over launch medians (`welch_log_ratio`)."""
     if len(results) < 2:
         raise ValueError(f"a comparison across launches needs >= 2 of them, got {len(results)}")
-    engine = [tokens_per_s(r["records"]["engine"]) for r in results]
-    out = {}
-    for name in results[0]["tokens_per_s"]:
-        if name == "engine":
-            continue
-        arm = [tokens_per_s(r["records"][name]) for r in results]
-        out[name] = {
-            "per_launch": [float(np.median(e) / np.median(a)) for e, a in zip(engine, arm,
-                                                                              strict=True)],
-            "pooled_ci95": launch_bootstrap_ratio(engine, arm).as_dict(),
-            "welch_ci95": welch_log_ratio([np.median(e) for e in engine],
-                                          [np.median(a) for a in arm]).as_dict(),
+
+    def ratios(numerator: list[list[float]], denominator: list[list[float]]) -> dict[str, Any]:
+        return {
+            "per_launch": [float(np.median(n) / np.median(d))
+                           for n, d in zip(numerator, denominator, strict=True)],
+            "pooled_ci95": launch_bootstrap_ratio(numerator, denominator).as_dict(),
+            "welch_ci95": welch_log_ratio([np.median(n) for n in numerator],
+                                          [np.median(d) for d in denominator]).as_dict(),
         }
+
+    def launches_of(arm: str, measure: Callable[[list[dict]], list[float]]) -> list[list[float]]:
+        return [measure(r["records"][arm]) for r in results]
+
+    engine = launches_of("engine", tokens_per_s)
+    out = {name: ratios(engine, launches_of(name, tokens_per_s))
+           for name in results[0]["tokens_per_s"] if name != "engine"}
+    if "engine_short_cap" in results[0]["records"]:
+        def walls(records: list[dict]) -> list[float]:
+            return column(records, "wall_s")
+        out["cap_wall_ratio"] = ratios(launches_of("engine", walls),
+                                       launches_of("engine_short_cap", walls))
     return out
 
 
 def print_launches(combined: dict[str, Any]) -> None:
     results = combined["launches"]
-    print(f"across {len(results)} launches, engine tokens/s over each arm's:")
+    print(f"across {len(results)} launches, engine tokens/s over each arm's (cap_wall_ratio: "
+          "generate wall at the cap over the short cap):")
     for name, ratios in combined["across_launches"].items():
         pooled, welch = ratios["pooled_ci95"], ratios["welch_ci95"]
         each = " ".join(f"{r:.2f}" for r in ratios["per_launch"])
