@@ -47,3 +47,15 @@ def test_across_launches_cap_wall_ratio():
     got = bench.across_launches(results)
     assert got["cap_wall_ratio"]["per_launch"] == pytest.approx([3.0, 1.0])
     assert got["engine_short_cap"]["per_launch"] == pytest.approx([1 / 3, 1.0])
+
+
+def test_across_launches_compares_rev_with_this_trees_worker():
+    """`rev` runs in a worker, so its ratio is engine_worker's tokens/s over its own; the
+    engine_worker row is the main process against a worker of the same code."""
+    results = [launch([1.0, 1.0], [2.0, 2.0]), launch([1.0, 1.0], [2.0, 2.0])]
+    for result in results:
+        result["records"]["engine_worker"] = [{"tokens": 100, "wall_s": 1.5}] * 2
+        result["tokens_per_s"]["engine_worker"] = {}
+    got = bench.across_launches(results)
+    assert got["rev"]["per_launch"] == pytest.approx([2.0 / 1.5, 2.0 / 1.5])
+    assert got["engine_worker"]["per_launch"] == pytest.approx([1.5, 1.5])

@@ -15,7 +15,10 @@ Same random-init Qwen3, prompts and sampling for every arm:
 * rev (`--rev REV`): the JAX engine of another revision (e.g. the dense engine before pages),
   in a worker process over a copy of that revision's package (`bench.rev_engine_worker`),
   called in turn with the other arms; `--rev-tree DIR` takes that package from DIR (REV's
-  `tunix_mcjax`, unpacked from `git archive REV tunix_mcjax`) where no git history is at hand;
+  `tunix_mcjax`, unpacked from `git archive REV tunix_mcjax`) where no git history is at hand.
+  Beside it, engine_worker: this tree's engine in a worker the same way; the rev ratio is
+  engine_worker's over rev's, like with like (a worker ran demo-cpu's 3-ms generates 1.14x
+  slower than the main process ran the same code);
 * engine_xla (profiles with `xla_arm`, or `--xla-arm`): the same engine with its pages pinned
   to `SplitPages`, the XLA path, beside the engine arm's own layout (on a one-device GPU that
   is `GpuPages`: decode steps on JAX's Pallas GPU kernel), with its own floor (floor_xla).
@@ -68,6 +71,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -85,6 +89,7 @@ from tunix_mcjax.engine.jax_engine import JaxEngine, flatten_tree, pow2_at_least
 from tunix_mcjax.engine.qwen3_forward import Qwen3PagedModel
 
 PAD_ID, EOS_ID = 0, 1
+PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding tunix_mcjax
 
 
 @dataclasses.dataclass(frozen=True)
@@ -325,7 +330,6 @@ def rev_worker(rev: str, tree: str | None = None) -> Callable[[dict], dict]:
     import shutil
     import subprocess
     import tempfile
-    from pathlib import Path
 
     if tree is None:
         tree = tempfile.mkdtemp(prefix="rev-engine-")
@@ -669,6 +673,9 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
         add("engine_one_batch", engine_arm, *workload, continuous=False, batch=profile.requests)
     if rev:
         add("rev", rev_arm, profile, prompts, sampling, rev, tree=rev_tree)
+        # This tree's engine in a worker too: at demo-cpu's 3-ms generates a worker ran the same
+        # code 1.14x slower than the main process, so `rev` is compared like with like.
+        add("engine_worker", rev_arm, profile, prompts, sampling, "this tree", tree=PACKAGE_ROOT)
     options = {"maxtext": {"model_args": MAXTEXT_MODELS[maxtext_model]}}
     for name in engines:
         add(name, ENGINE_ARMS[name], *workload, **options.get(name, {}))
@@ -692,7 +699,8 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
             records[name].append({**arms[name][0](rep), "position": int(position)})
         tell(f"repeat {rep + 1} of {profile.repeats}")
     same = {name: same_outputs(records[name], records["engine"])
-            for name in ("engine_short_cap", "engine_xla", "rev") if name in records}
+            for name in ("engine_short_cap", "engine_xla", "rev", "engine_worker")
+            if name in records}
     if "maxtext_rev" in records:
         same["maxtext_rev_vs_maxtext"] = same_outputs(records["maxtext_rev"], records["maxtext"])
     lengths = {name: [len(c) for c in records[name][0]["completions"]]
@@ -777,8 +785,8 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
                                                 column(records["engine_short_cap"], "wall_s"))
     if "rev" in records:
         result["rev_tokens_per_s_spread"] = spread(tokens_per_s(records["rev"]))
-        result["tokens_per_s_ratio_vs_rev"] = bootstrap_ratio(tokens_per_s(engine),
-                                                              tokens_per_s(records["rev"]))
+        result["tokens_per_s_ratio_vs_rev"] = bootstrap_ratio(
+            tokens_per_s(records["engine_worker"]), tokens_per_s(records["rev"]))
     if "maxtext" in records:
         result["maxtext_model"] = maxtext_model
     if "maxtext_rev" in records:
@@ -811,6 +819,7 @@ def print_table(result: dict[str, Any]) -> None:
         ("engine XLA path", "engine_xla"),
         (f"cap {result['profile']['short_cap']}", "engine_short_cap"),
         (f"rev {info.get('rev', {}).get('rev', '')}"[:16], "rev"),
+        ("engine, a worker", "engine_worker"),
         ("no CB, waves", "engine_waves"),
         ("no CB, 1 batch", "engine_one_batch"),
         *((f"{name} engine", name) for name in ENGINE_ARMS),
@@ -856,8 +865,9 @@ def print_table(result: dict[str, Any]) -> None:
               f"same outputs {result['same_outputs_as_engine']['engine_short_cap']:.0%}")
     if "tokens_per_s_ratio_vs_rev" in result:
         ratio, low, high = result["tokens_per_s_ratio_vs_rev"]
-        print(f"engine tokens/s vs rev {info['rev']['rev']}: {ratio:.2f} [95% CI {low:.2f}, "
-              f"{high:.2f}], same outputs {result['same_outputs_as_engine']['rev']:.0%}")
+        print(f"engine tokens/s vs rev {info['rev']['rev']}, both in workers: {ratio:.2f} "
+              f"[95% CI {low:.2f}, {high:.2f}], same outputs "
+              f"{result['same_outputs_as_engine']['rev']:.0%}")
     for name in ENGINE_ARMS:
         for other in ("engine", "tunix"):
             if f"{name}_tokens_per_s_ratio_vs_{other}" in result:
@@ -934,9 +944,10 @@ def run_launches(launches: int, run_args: dict[str, Any]) -> dict[str, Any]:
 
 def across_launches(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """For each generating arm of the launches' `results`: the engine arm's tokens/s over the
-    arm's; with a short cap, also `cap_wall_ratio` (the engine's generate wall over the
-    short-cap arm's). Each per launch (ratio of medians), pooled (`launch_bootstrap_ratio`:
-    launches, then blocks of repeats, resampled) and over launch medians (`welch_log_ratio`)."""
+    arm's (for `rev`, engine_worker's: both in workers); with a short cap, also
+    `cap_wall_ratio` (the engine's generate wall over the short-cap arm's). Each per launch
+    (ratio of medians), pooled (`launch_bootstrap_ratio`: launches, then blocks of repeats,
+    resampled) and over launch medians (`welch_log_ratio`)."""
     if len(results) < 2:
         raise ValueError(f"a comparison across launches needs >= 2 of them, got {len(results)}")
 
@@ -955,6 +966,9 @@ def across_launches(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, An
     engine = launches_of("engine", tokens_per_s)
     out = {name: ratios(engine, launches_of(name, tokens_per_s))
            for name in results[0]["tokens_per_s"] if name != "engine"}
+    if "engine_worker" in out:  # rev against this tree's engine in a worker, like with like
+        out["rev"] = ratios(launches_of("engine_worker", tokens_per_s),
+                            launches_of("rev", tokens_per_s))
     if "engine_short_cap" in results[0]["records"]:
         def walls(records: list[dict]) -> list[float]:
             return column(records, "wall_s")
