@@ -43,9 +43,10 @@ arm's decode iterations. `--no-tunix` leaves Tunix's Sampler out.
 `--launches N` runs the whole comparison N times, each launch in fresh processes, and reports
 the engine arm's tokens/s over each other arm's across them (Appendix A): per launch, pooled
 (launches, then blocks of repeats, resampled: `bench.stats.launch_bootstrap_ratio`) and the Welch
-interval on log launch medians. A process's placement and compile luck persist through it: the
-same code in two processes of one run has differed by 5% with disjoint repeat intervals, so a
-single launch's interval is too narrow for a verdict near 1.
+interval on log launch medians. A process's luck (placement, its cores) lasts the launch: one
+gsm8k-cpu launch's main process ran 15-20% slow throughout, and the same engine measured 5%
+apart in two runs whose intervals over repeats did not overlap, so a single launch's interval
+is too narrow for a verdict near 1.
 
 * `--engine maxtext`: the maxtext engine (MaxText's own model, its own random init) with the
   engine arm's loop settings; tokens/s against the JAX engine and Tunix. `--maxtext-model`:
