@@ -49,13 +49,16 @@ def test_across_launches_cap_wall_ratio():
     assert got["engine_short_cap"]["per_launch"] == pytest.approx([1 / 3, 1.0])
 
 
-def test_across_launches_compares_rev_with_this_trees_worker():
-    """`rev` runs in a worker, so its ratio is engine_worker's tokens/s over its own; the
-    engine_worker row is the main process against a worker of the same code."""
+@pytest.mark.parametrize("rev, worker", [("rev", "engine_worker"),
+                                         ("maxtext_rev", "maxtext_worker")])
+def test_across_launches_compares_a_revision_with_this_trees_worker(rev, worker):
+    """A revision runs in a worker, so its ratio is this tree's worker's tokens/s over its own;
+    the worker's row is the main process against a worker of the same code."""
     results = [launch([1.0, 1.0], [2.0, 2.0]), launch([1.0, 1.0], [2.0, 2.0])]
     for result in results:
-        result["records"]["engine_worker"] = [{"tokens": 100, "wall_s": 1.5}] * 2
-        result["tokens_per_s"]["engine_worker"] = {}
+        result["records"][rev] = result["records"].pop("rev")
+        result["records"][worker] = [{"tokens": 100, "wall_s": 1.5}] * 2
+        result["tokens_per_s"] = {"engine": {}, rev: {}, worker: {}}
     got = bench.across_launches(results)
-    assert got["rev"]["per_launch"] == pytest.approx([2.0 / 1.5, 2.0 / 1.5])
-    assert got["engine_worker"]["per_launch"] == pytest.approx([1.5, 1.5])
+    assert got[rev]["per_launch"] == pytest.approx([2.0 / 1.5, 2.0 / 1.5])
+    assert got[worker]["per_launch"] == pytest.approx([1.5, 1.5])

@@ -53,7 +53,8 @@ is too narrow for a verdict near 1.
   `qwen3`, MaxText's dense Qwen3 of the same shape, or `qwen3-moe`, MaxText's Qwen3 MoE of that
   shape with 8 experts of a quarter the MLP width, 2 per token (the dense model's active MLP
   width). `--maxtext-rev REV`: also that revision's maxtext engine on the same model (e.g. the
-  dense-cache engine before pages), in a worker process like `--rev`'s.
+  dense-cache engine before pages), in a worker process like `--rev`'s, against this tree's
+  maxtext engine in a worker (maxtext_worker).
 
     python -m tunix_mcjax.bench.engine [--profile NAME] [--engine maxtext|vllm ...]
         [--maxtext-model qwen3|qwen3-moe] [--maxtext-rev REV] [--rev REV [--rev-tree DIR]]
@@ -680,9 +681,11 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
     options = {"maxtext": {"model_args": MAXTEXT_MODELS[maxtext_model]}}
     for name in engines:
         add(name, ENGINE_ARMS[name], *workload, **options.get(name, {}))
-    if maxtext_rev:
+    if maxtext_rev:  # against this tree's maxtext engine in a worker, as for `rev`
         add("maxtext_rev", rev_arm, profile, prompts, sampling, maxtext_rev,
             maxtext=MAXTEXT_MODELS[maxtext_model])
+        add("maxtext_worker", rev_arm, profile, prompts, sampling, "this tree",
+            maxtext=MAXTEXT_MODELS[maxtext_model], tree=PACKAGE_ROOT)
     if tunix:
         add("tunix", tunix_arm, profile, model, prompts, sampling, compiles)
     decode_batch = arms["engine"][1]["decode_batch"]
@@ -793,7 +796,7 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
     if "maxtext_rev" in records:
         result["maxtext_rev_tokens_per_s_spread"] = spread(tokens_per_s(records["maxtext_rev"]))
         result["maxtext_tokens_per_s_ratio_vs_maxtext_rev"] = bootstrap_ratio(
-            tokens_per_s(records["maxtext"]), tokens_per_s(records["maxtext_rev"]))
+            tokens_per_s(records["maxtext_worker"]), tokens_per_s(records["maxtext_rev"]))
     for name in engines:
         result[f"{name}_tokens_per_s_spread"] = spread(tokens_per_s(records[name]))
         result[f"{name}_tokens_per_s_ratio_vs_engine"] = bootstrap_ratio(
@@ -825,6 +828,7 @@ def print_table(result: dict[str, Any]) -> None:
         ("no CB, 1 batch", "engine_one_batch"),
         *((f"{name} engine", name) for name in ENGINE_ARMS),
         (f"maxtext {info.get('maxtext_rev', {}).get('rev', '')}"[:16], "maxtext_rev"),
+        ("maxtext, worker", "maxtext_worker"),
         ("tunix Sampler", "tunix"),
     ]
     print(f"profile {result['profile']['name']}  model {result['model']}  {result['device']}")
@@ -878,7 +882,8 @@ def print_table(result: dict[str, Any]) -> None:
     if "maxtext_tokens_per_s_ratio_vs_maxtext_rev" in result:
         ratio, low, high = result["maxtext_tokens_per_s_ratio_vs_maxtext_rev"]
         print(f"maxtext engine ({result['maxtext_model']}) tokens/s vs rev "
-              f"{info['maxtext_rev']['rev']}'s: {ratio:.2f} [95% CI {low:.2f}, {high:.2f}], "
+              f"{info['maxtext_rev']['rev']}'s, both in workers: {ratio:.2f} "
+              f"[95% CI {low:.2f}, {high:.2f}], "
               f"same outputs {result['same_outputs_as_engine']['maxtext_rev_vs_maxtext']:.0%}")
     for variant in ("waves", "one_batch"):
         if f"cb_speedup_vs_{variant}" in result:
@@ -945,7 +950,7 @@ def run_launches(launches: int, run_args: dict[str, Any]) -> dict[str, Any]:
 
 def across_launches(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     """For each generating arm of the launches' `results`: the engine arm's tokens/s over the
-    arm's (for `rev`, engine_worker's: both in workers); with a short cap, also
+    arm's (for `rev` and `maxtext_rev`, their worker's of this tree); with a short cap, also
     `cap_wall_ratio` (the engine's generate wall over the short-cap arm's). Each per launch
     (ratio of medians), pooled (`launch_bootstrap_ratio`: launches, then blocks of repeats,
     resampled) and over launch medians (`welch_log_ratio`)."""
@@ -967,9 +972,9 @@ def across_launches(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, An
     engine = launches_of("engine", tokens_per_s)
     out = {name: ratios(engine, launches_of(name, tokens_per_s))
            for name in results[0]["tokens_per_s"] if name != "engine"}
-    if "engine_worker" in out:  # rev against this tree's engine in a worker, like with like
-        out["rev"] = ratios(launches_of("engine_worker", tokens_per_s),
-                            launches_of("rev", tokens_per_s))
+    for rev, worker in (("rev", "engine_worker"), ("maxtext_rev", "maxtext_worker")):
+        if worker in out:  # the revision against this tree's engine in a worker, like with like
+            out[rev] = ratios(launches_of(worker, tokens_per_s), launches_of(rev, tokens_per_s))
     if "engine_short_cap" in results[0]["records"]:
         def walls(records: list[dict]) -> list[float]:
             return column(records, "wall_s")
