@@ -92,6 +92,8 @@ from tunix_mcjax.engine.qwen3_forward import Qwen3PagedModel
 
 PAD_ID, EOS_ID = 0, 1
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder holding tunix_mcjax
+# A revision's arm runs in a worker, so it is compared with this tree's engine in one.
+REV_WORKERS = {"rev": "engine_worker", "maxtext_rev": "maxtext_worker"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -677,14 +679,15 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
         add("rev", rev_arm, profile, prompts, sampling, rev, tree=rev_tree)
         # This tree's engine in a worker too: at demo-cpu's 3-ms generates a worker ran the same
         # code 1.14x slower than the main process, so `rev` is compared like with like.
-        add("engine_worker", rev_arm, profile, prompts, sampling, "this tree", tree=PACKAGE_ROOT)
+        add(REV_WORKERS["rev"], rev_arm, profile, prompts, sampling, "this tree",
+            tree=PACKAGE_ROOT)
     options = {"maxtext": {"model_args": MAXTEXT_MODELS[maxtext_model]}}
     for name in engines:
         add(name, ENGINE_ARMS[name], *workload, **options.get(name, {}))
     if maxtext_rev:  # against this tree's maxtext engine in a worker, as for `rev`
         add("maxtext_rev", rev_arm, profile, prompts, sampling, maxtext_rev,
             maxtext=MAXTEXT_MODELS[maxtext_model])
-        add("maxtext_worker", rev_arm, profile, prompts, sampling, "this tree",
+        add(REV_WORKERS["maxtext_rev"], rev_arm, profile, prompts, sampling, "this tree",
             maxtext=MAXTEXT_MODELS[maxtext_model], tree=PACKAGE_ROOT)
     if tunix:
         add("tunix", tunix_arm, profile, model, prompts, sampling, compiles)
@@ -694,13 +697,13 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
         add("floor_xla", floor_arm, profile, params, decode_batch,
             layout=paged_attention.SplitPages())
     records.update({name: [] for name in arms})
-    order = np.random.default_rng(0)
+    names, order = list(arms), np.random.default_rng(0)
     for rep in range(profile.repeats):
         # A fresh order each repeat: an arm runs slower right after some arms (at demo-cpu,
         # 2x after the floor's tight loop), and a fixed order charged that to one arm alone.
-        for position, i in enumerate(order.permutation(len(arms))):
-            name = list(arms)[i]
-            records[name].append({**arms[name][0](rep), "position": int(position)})
+        for position, i in enumerate(order.permutation(len(names))):
+            measure, _ = arms[names[i]]
+            records[names[i]].append({**measure(rep), "position": position})
         tell(f"repeat {rep + 1} of {profile.repeats}")
     same = {name: same_outputs(records[name], records["engine"])
             for name in ("engine_short_cap", "engine_xla", "rev", "engine_worker")
@@ -790,13 +793,13 @@ def run(profile: EngineProfile, engines: Sequence[str] = (), rev: str | None = N
     if "rev" in records:
         result["rev_tokens_per_s_spread"] = spread(tokens_per_s(records["rev"]))
         result["tokens_per_s_ratio_vs_rev"] = bootstrap_ratio(
-            tokens_per_s(records["engine_worker"]), tokens_per_s(records["rev"]))
+            tokens_per_s(records[REV_WORKERS["rev"]]), tokens_per_s(records["rev"]))
     if "maxtext" in records:
         result["maxtext_model"] = maxtext_model
     if "maxtext_rev" in records:
         result["maxtext_rev_tokens_per_s_spread"] = spread(tokens_per_s(records["maxtext_rev"]))
         result["maxtext_tokens_per_s_ratio_vs_maxtext_rev"] = bootstrap_ratio(
-            tokens_per_s(records["maxtext_worker"]), tokens_per_s(records["maxtext_rev"]))
+            tokens_per_s(records[REV_WORKERS["maxtext_rev"]]), tokens_per_s(records["maxtext_rev"]))
     for name in engines:
         result[f"{name}_tokens_per_s_spread"] = spread(tokens_per_s(records[name]))
         result[f"{name}_tokens_per_s_ratio_vs_engine"] = bootstrap_ratio(
@@ -969,12 +972,13 @@ def across_launches(results: Sequence[dict[str, Any]]) -> dict[str, dict[str, An
     def launches_of(arm: str, measure: Callable[[list[dict]], list[float]]) -> list[list[float]]:
         return [measure(r["records"][arm]) for r in results]
 
-    engine = launches_of("engine", tokens_per_s)
-    out = {name: ratios(engine, launches_of(name, tokens_per_s))
+    def numerator(name: str) -> str:  # a revision's worker of this tree, where it ran
+        worker = REV_WORKERS.get(name)
+        return worker if worker in results[0]["records"] else "engine"
+
+    out = {name: ratios(launches_of(numerator(name), tokens_per_s),
+                        launches_of(name, tokens_per_s))
            for name in results[0]["tokens_per_s"] if name != "engine"}
-    for rev, worker in (("rev", "engine_worker"), ("maxtext_rev", "maxtext_worker")):
-        if worker in out:  # the revision against this tree's engine in a worker, like with like
-            out[rev] = ratios(launches_of(worker, tokens_per_s), launches_of(rev, tokens_per_s))
     if "engine_short_cap" in results[0]["records"]:
         def walls(records: list[dict]) -> list[float]:
             return column(records, "wall_s")
