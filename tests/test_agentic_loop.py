@@ -14,7 +14,6 @@ from tunix.rl.agentic.environments.tool_environment import ToolEnvironment
 from tunix.rl.agentic.tools import base_tool
 from tunix.rl.agentic.tools.calculator_tool import CalculatorTool
 
-from tunix_mcjax import packing
 from tunix_mcjax.agentic import rollout
 from tunix_mcjax.agentic.conversation import Conversation
 from tunix_mcjax.agentic.loop import TurnLimits, run_turns
@@ -22,6 +21,7 @@ from tunix_mcjax.agentic.parsers import PLAIN, ChatParser, load_chat_template
 from tunix_mcjax.config import ConfigError
 from tunix_mcjax.engine import Completion, Engine, SamplingParams
 from tunix_mcjax.tokenizer import char_tokenizer
+from tunix_mcjax.train import packing
 
 TOK = char_tokenizer()
 EOS = TOK.eos_token_id

@@ -18,11 +18,12 @@ from tunix.rl import common, function_registry
 from tunix.rl.agentic import agentic_grpo_learner
 
 from tests.mp import REPO, TINY
-from tunix_mcjax import loss, models, packing, topology
+from tunix_mcjax import models, topology
 from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.rewards import group_advantages
 from tunix_mcjax.runtime import phases
-from tunix_mcjax.trainer import Trainer, qwen3_policy
+from tunix_mcjax.train import loss, packing
+from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 
 VOCAB = 40
 G = 4

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from tests.mp import TINY, launch, read_jsonl
-from tunix_mcjax.checkpoint import Checkpointer
+from tunix_mcjax.train.checkpoint import Checkpointer
 
 # Batches repeat every 2 steps and O3 weighs observed output lengths (which vary: up to 36
 # tokens, EOS honoured), so steps 2-3 are admitted by what steps 0-1 decoded: a resume must

@@ -218,9 +218,10 @@ def lora_publish_bytes(cfg) -> tuple[int, int]:
     from flax import nnx
     from tunix.models.qwen3 import model as qwen3
 
-    from tunix_mcjax import lora, models
+    from tunix_mcjax import models
     from tunix_mcjax.publish import tree_bytes
     from tunix_mcjax.tokenizer import load_tokenizer
+    from tunix_mcjax.train import lora
 
     vocab = len(load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path))
     mc = models.model_config(cfg, vocab, for_sampling=True)

@@ -15,9 +15,10 @@ from tunix.cli.utils.model import apply_lora_to_model
 from tunix.rl import algo_core, common
 
 from tests.mp import REPO, TINY, launch, launch_worker, read_jsonl
-from tunix_mcjax import lora, models
-from tunix_mcjax.checkpoint import Checkpointer
+from tunix_mcjax import models
 from tunix_mcjax.config import Config, ConfigError, load_config
+from tunix_mcjax.train import lora
+from tunix_mcjax.train.checkpoint import Checkpointer
 
 GEMMA_NAMES_MODULE_PATH = (".*q_einsum|.*kv_einsum|.*gate_proj|.*down_proj|.*up_proj"
                            "|.*attn_vec_einsum")
@@ -63,7 +64,7 @@ def test_adapters_equal_tunix_cli_lora(module_path):
 def test_forward_equals_tunix_lora_model():
     """Our functional forward with adapters (trainer and engine share it) equals the qwix-
     intercepted Tunix model's logits, with nonzero B so the adapters contribute."""
-    from tunix_mcjax.trainer import qwen3_policy
+    from tunix_mcjax.train.trainer import qwen3_policy
 
     cfg = _cfg("lora_rank=4", "lora_alpha=8", f"lora_module_path={ALL_PROJECTIONS}")
     base = models.create_model(models.model_config(_without_lora(cfg), 40), seed=5)

@@ -26,7 +26,7 @@ from tunix_mcjax.config import ConfigError  # noqa: E402
 from tunix_mcjax.engine import SamplingParams  # noqa: E402
 from tunix_mcjax.engine.jax_engine import JaxEngine  # noqa: E402
 from tunix_mcjax.maxtext import checked_config, load_maxtext_config, policy  # noqa: E402
-from tunix_mcjax.trainer import packed_attention_mask  # noqa: E402
+from tunix_mcjax.train.trainer import packed_attention_mask  # noqa: E402
 
 RL_YML = f"{MAXTEXT_CONFIGS_DIR}/post_train/rl.yml"
 CPU_ARGS = REPO / "recipes/maxtext/cpu/qwen3_tiny.args"

@@ -21,7 +21,7 @@ from tests.test_maxtext_adapter import maxtext_argv  # noqa: E402
 from tests.workers_memory.updates import flat, local_rows  # noqa: E402
 from tunix_mcjax.config import ConfigError  # noqa: E402
 from tunix_mcjax.maxtext import checked_config, config_map, policy  # noqa: E402
-from tunix_mcjax.trainer import Trainer  # noqa: E402
+from tunix_mcjax.train.trainer import Trainer  # noqa: E402
 
 # Untied logits: with logits_via_embedding MaxText multiplies by a bf16 copy of the embedding
 # table, whose rounding differs between a batch and its micro-batches beyond fp32's 1e-5.

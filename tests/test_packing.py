@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tunix_mcjax import packing
+from tunix_mcjax.train import packing
 
 
 def _seq(prompt, completion, adv=1.0):
@@ -45,7 +45,7 @@ def test_rows_per_device_and_padding():
 def test_attention_mask_separates_segments():
     import jax.numpy as jnp
 
-    from tunix_mcjax.trainer import packed_attention_mask
+    from tunix_mcjax.train.trainer import packed_attention_mask
 
     mask = np.asarray(packed_attention_mask(jnp.array([[1, 1, 2, 2, 0]])))[0]
     assert mask[1, 0] and not mask[0, 1]  # causal

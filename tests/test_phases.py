@@ -16,14 +16,15 @@ from tunix.rl import algo_core, common
 
 from tests.mp import REPO, TINY
 from tests.workers.fixed_update import VOCAB, fixed_batch
-from tunix_mcjax import loss, models, packing, topology
+from tunix_mcjax import models, topology
 from tunix_mcjax.config import load_config
 from tunix_mcjax.engine import Completion, SamplingParams
 from tunix_mcjax.engine.jax_engine import JaxEngine
 from tunix_mcjax.publish import Publisher
 from tunix_mcjax.rewards import group_advantages
 from tunix_mcjax.runtime import exchange, phases, stepmath
-from tunix_mcjax.trainer import Trainer, qwen3_policy
+from tunix_mcjax.train import loss, packing
+from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 
 SHAPE = [*TINY, "batch_size=4", "num_generations=4", "max_prefill_predict_length=4",
          "max_target_length=10", "grpo_beta=0.0"]

@@ -14,7 +14,7 @@ from tunix_mcjax.bench.plan_tables import profile_config, v7x
 from tunix_mcjax.config import load_config
 from tunix_mcjax.engine.base import SamplingParams
 from tunix_mcjax.engine.jax_engine import JaxEngine
-from tunix_mcjax.trainer import BATCH_KEYS, Trainer, qwen3_policy
+from tunix_mcjax.train.trainer import BATCH_KEYS, Trainer, qwen3_policy
 
 GIB = plan.GIB
 RECIPE = "recipes/cpu/qwen3_0p6b.yml"

@@ -18,13 +18,14 @@ import pytest
 from flax import nnx
 from transformers import AutoTokenizer
 
-from tunix_mcjax import models, packing, topology
+from tunix_mcjax import models, topology
 from tunix_mcjax.config import load_config
 from tunix_mcjax.engine.base import SamplingParams
 from tunix_mcjax.engine.jax_engine import JaxEngine
 from tunix_mcjax.engine.stops import generation_config_eos_ids, model_stop_ids
 from tunix_mcjax.maxtext.data import resolve_tokenizer_path
-from tunix_mcjax.trainer import Trainer, qwen3_policy
+from tunix_mcjax.train import packing
+from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 
 ENDOFTEXT, IM_END = 151643, 151645
 QWEN3_GENERATION_CONFIG = {"bos_token_id": 151643, "eos_token_id": [151645, 151643],

@@ -61,8 +61,9 @@ def test_two_hosts_accumulating_sharded_update_equals_tunix(tmp_path):
     from tests.mp import TINY, launch_worker
     from tests.test_colocated import tunix_reference_grads
     from tests.workers.fixed_update import CASES, fixed_batch
-    from tunix_mcjax import memory, packing
+    from tunix_mcjax import memory
     from tunix_mcjax.config import load_config
+    from tunix_mcjax.train import packing
 
     # The worker's packing: each host's 8 sequences in rows of 10; several micro-batches run.
     prompts, completions, _ = fixed_batch(4, 4)

@@ -15,12 +15,13 @@ from flax import nnx
 from jax.sharding import AxisType, Mesh
 from tunix.rl import algo_core, common
 
-from tunix_mcjax import memory, models, packing
-from tunix_mcjax.attention import segment_attention
+from tunix_mcjax import memory, models
 from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.engine.qwen3_forward import attention as dense_attention
-from tunix_mcjax.loss import chunked_token_logps, token_logps
-from tunix_mcjax.trainer import Trainer, loss_weights, packed_attention_mask, qwen3_policy
+from tunix_mcjax.train import packing
+from tunix_mcjax.train.loss import chunked_token_logps, token_logps
+from tunix_mcjax.train.segment_attention import segment_attention
+from tunix_mcjax.train.trainer import Trainer, loss_weights, packed_attention_mask, qwen3_policy
 
 DEMO = "recipes/cpu/demo.yml"
 SEGMENTS = [[1] * 5 + [2] * 6 + [0] * 2, [1] * 3 + [2] * 3 + [3] * 7]

@@ -12,8 +12,8 @@ from flax import nnx
 from tunix.models.qwen3 import model as qwen3
 from tunix.models.qwen3 import params as qwen3_params
 
-from tunix_mcjax import lora
 from tunix_mcjax.config import Config, ConfigError
+from tunix_mcjax.train import lora
 
 PRESETS = {
     "qwen3-0.6b": qwen3.ModelConfig.qwen3_0p6b,

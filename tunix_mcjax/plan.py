@@ -30,10 +30,10 @@ import os
 import sys
 
 from tunix_mcjax import memory
-from tunix_mcjax.attention import KEY_BLOCK
 from tunix_mcjax.config import Config, ConfigError, load_config
 from tunix_mcjax.engine import jax_engine, pages
 from tunix_mcjax.engine.jax_engine import pow2_at_least
+from tunix_mcjax.train.segment_attention import KEY_BLOCK
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}

@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from tunix_mcjax.engine import Engine
 
 if TYPE_CHECKING:
-    from tunix_mcjax.trainer import Trainer
+    from tunix_mcjax.train.trainer import Trainer
 
 
 def tree_bytes(tree: Any) -> int:

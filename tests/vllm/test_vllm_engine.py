@@ -14,9 +14,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from flax import nnx  # noqa: E402
 
-from tunix_mcjax import config, loss, models, trainer  # noqa: E402
+from tunix_mcjax import config, models  # noqa: E402
 from tunix_mcjax.engine.base import SamplingParams  # noqa: E402
 from tunix_mcjax.engine.vllm_engine import VllmEngine  # noqa: E402
+from tunix_mcjax.train import loss, trainer
 
 pytestmark = pytest.mark.vllm
 

@@ -20,7 +20,7 @@ from tunix_mcjax import models, topology
 from tunix_mcjax.engine import Completion
 from tunix_mcjax.rewards import group_advantages
 from tunix_mcjax.runtime.phases import pack_local
-from tunix_mcjax.trainer import Trainer, qwen3_policy
+from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 
 VOCAB = 40
 LR = 1e6  # large, so the applied step dwarfs the params and (initial - final) keeps precision

@@ -9,9 +9,9 @@ import signal
 import orbax.checkpoint as ocp
 
 from tests.workers.common import start
-from tunix_mcjax import checkpoint
 from tunix_mcjax.runtime import recovery
 from tunix_mcjax.runtime.colocated import ColocatedRuntime
+from tunix_mcjax.train import checkpoint
 
 KILL_AT_STEP = 3
 

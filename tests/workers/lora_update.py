@@ -19,14 +19,14 @@ from tests.workers.common import start
 from tests.workers.fixed_update import LR, VOCAB, fixed_batch, flat
 from tunix_mcjax import models, topology
 from tunix_mcjax.bench.hlo import collectives
-from tunix_mcjax.checkpoint import Checkpointer
 from tunix_mcjax.engine import Completion
 from tunix_mcjax.engine.jax_engine import flatten_tree
 from tunix_mcjax.rewards import group_advantages
 from tunix_mcjax.runtime import recovery
 from tunix_mcjax.runtime.colocated import ColocatedRuntime
 from tunix_mcjax.runtime.phases import pack_local
-from tunix_mcjax.trainer import Trainer, qwen3_policy
+from tunix_mcjax.train.checkpoint import Checkpointer
+from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 
 LORA = dict(lora_rank=4, lora_alpha=8.0, lora_module_path=".*_proj")
 CASES = {

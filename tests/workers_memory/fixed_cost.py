@@ -24,7 +24,7 @@ from tunix_mcjax.bench.hlo import collectives
 from tunix_mcjax.config import load_config
 from tunix_mcjax.engine.jax_engine import JaxEngine, flatten_tree
 from tunix_mcjax.publish import Publisher
-from tunix_mcjax.trainer import Trainer, qwen3_policy
+from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 
 LAYOUTS = {
     "flat": ["fsdp_gather_params_once=true", "grpo_beta=0.0"],

@@ -17,10 +17,11 @@ from jax.sharding import AxisType, Mesh
 
 from tests.mp import TINY
 from tests.workers.fixed_update import VOCAB, fixed_batch
-from tunix_mcjax import models, packing
+from tunix_mcjax import models
 from tunix_mcjax.config import load_config
 from tunix_mcjax.rewards import group_advantages
-from tunix_mcjax.trainer import Trainer, loss_weights, qwen3_policy
+from tunix_mcjax.train import packing
+from tunix_mcjax.train.trainer import Trainer, loss_weights, qwen3_policy
 
 VARIANTS = {
     "gather": ["fsdp_gather_params_once=true"],

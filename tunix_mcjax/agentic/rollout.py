@@ -7,8 +7,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tunix_mcjax import packing
 from tunix_mcjax.agentic.conversation import Conversation
+from tunix_mcjax.train import packing
 
 
 def sequences(conversations: Sequence[Conversation], advantages: np.ndarray

@@ -14,9 +14,10 @@ import jax
 from flax import nnx
 from tunix.models.qwen3 import model as qwen3
 
-from tunix_mcjax import lora, models
+from tunix_mcjax import models
 from tunix_mcjax.config import Config, load_config
 from tunix_mcjax.publish import tree_bytes
+from tunix_mcjax.train import lora
 
 # run_qwen3.sh's module path before Tunix 0.1.7: Gemma's attention names, so on Qwen3 it adapts
 # the MLP projections only.

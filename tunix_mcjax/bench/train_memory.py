@@ -23,7 +23,7 @@ from jax.sharding import AxisType, Mesh
 
 from tunix_mcjax import models
 from tunix_mcjax.config import load_config
-from tunix_mcjax.trainer import BATCH_KEYS, Trainer, qwen3_policy
+from tunix_mcjax.train.trainer import BATCH_KEYS, Trainer, qwen3_policy
 
 WIDTH_0P6B = ["model_name=qwen3-tiny", "base_emb_dim=1024", "base_mlp_dim=3072",
               "base_num_query_heads=16", "base_num_kv_heads=8", "head_dim=128",

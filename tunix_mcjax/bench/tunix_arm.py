@@ -174,7 +174,7 @@ def run(cfg, layout: str) -> Path:
     from tunix_mcjax.models import build_model, model_config
     from tunix_mcjax.tasks import load_task
     from tunix_mcjax.tokenizer import load_tokenizer
-    from tunix_mcjax.trainer import make_optimizer
+    from tunix_mcjax.train.trainer import make_optimizer
 
     tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
     task = load_task(cfg)

@@ -300,7 +300,7 @@ class Lora:
     """LoRA
 
     Tunix's lora_config.rank, alpha and module_path, with qwix's meaning
-    ([LoRA](configuration.md#lora-tunix_mcjaxlorapy))."""
+    ([LoRA](configuration.md#lora-tunix_mcjaxtrainlorapy))."""
 
     lora_rank: int = key(
         0, "Adapter rank; 0: full fine-tuning. > 0: only the adapters train, publish and "

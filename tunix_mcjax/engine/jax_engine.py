@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3 import model as qwen3
 
-from tunix_mcjax import hostmem, lora, memory
+from tunix_mcjax import hostmem, memory
 from tunix_mcjax.engine import pages
 from tunix_mcjax.engine.base import Completion, Engine, FinishReason, SamplingParams
 from tunix_mcjax.engine.decode_loop import (
@@ -38,6 +38,7 @@ from tunix_mcjax.engine.decode_loop import (
 from tunix_mcjax.engine.paged_attention import layout_for
 from tunix_mcjax.engine.qwen3_forward import Qwen3PagedModel
 from tunix_mcjax.engine.sampling import SamplerSpec
+from tunix_mcjax.train import lora
 
 LeafPath = tuple[str, ...]
 MAX_STOP_IDS = 32

@@ -17,8 +17,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from tunix.models.qwen3.model import K_MASK, ModelConfig
 
-from tunix_mcjax import lora
 from tunix_mcjax.engine.paged_attention import CombinedPages, SharedPrefix, SplitPages
+from tunix_mcjax.train import lora
 
 Params = dict[str, Any]
 # Tunix 0.1.7's attention calls `apply_rope` without `config.rope_theta`, so its Qwen3 always

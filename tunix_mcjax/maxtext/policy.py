@@ -22,7 +22,7 @@ from tunix.models.qwen3 import model as qwen3
 from tunix_mcjax.config import ConfigError
 from tunix_mcjax.engine.maxtext_model import drop_rngs
 from tunix_mcjax.maxtext import config_map
-from tunix_mcjax.trainer import Policy
+from tunix_mcjax.train.trainer import Policy
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 

@@ -25,7 +25,7 @@ from tunix_mcjax.runtime.loop import StepEnd, StepLoop, add_host_hooks
 from tunix_mcjax.runtime.phases import default_engine
 from tunix_mcjax.runtime.records import HostRecord
 from tunix_mcjax.runtime.stepmath import LengthHistory
-from tunix_mcjax.trainer import Trainer
+from tunix_mcjax.train.trainer import Trainer
 
 
 class ColocatedRuntime:

@@ -14,7 +14,7 @@ from tunix_mcjax.runtime.evaluation import task_evaluator
 from tunix_mcjax.runtime.phases import Prompts, RolloutPhases
 from tunix_mcjax.tasks import Task, load_task
 from tunix_mcjax.tokenizer import load_tokenizer
-from tunix_mcjax.trainer import Policy, qwen3_policy
+from tunix_mcjax.train.trainer import Policy, qwen3_policy
 
 
 @dataclasses.dataclass

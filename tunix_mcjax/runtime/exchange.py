@@ -14,7 +14,8 @@ import dataclasses
 
 import numpy as np
 
-from tunix_mcjax import packing, topology
+from tunix_mcjax import topology
+from tunix_mcjax.train import packing
 
 NUM_COUNTS = 3  # rows, sequences, completion tokens
 

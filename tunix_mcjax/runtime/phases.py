@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from tunix_mcjax import admission, metrics, packing, rewards, topology
+from tunix_mcjax import admission, metrics, rewards, topology
 from tunix_mcjax.config import Config, ConfigError
 from tunix_mcjax.engine import Completion, Engine, SamplingParams, stops
 from tunix_mcjax.publish import Publisher
@@ -27,7 +27,8 @@ from tunix_mcjax.runtime.engines import ENGINES, default_engine
 from tunix_mcjax.runtime.records import Admission, Rollout
 from tunix_mcjax.tasks import RewardFn, Task
 from tunix_mcjax.tokenizer import unknown_characters
-from tunix_mcjax.trainer import Trainer
+from tunix_mcjax.train import packing
+from tunix_mcjax.train.trainer import Trainer
 
 __all__ = ["ENGINES", "Prompts", "RolloutPhases", "TrainPhase", "TrainResult", "default_engine",
            "encode_prompt", "filter_task", "pack", "pack_local", "publish", "rollout_seed",

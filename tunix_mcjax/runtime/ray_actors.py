@@ -36,7 +36,7 @@ from tunix_mcjax.runtime.records import HostRecord, Rollout
 from tunix_mcjax.runtime.stepmath import LengthHistory
 from tunix_mcjax.tasks import load_task
 from tunix_mcjax.tokenizer import load_tokenizer
-from tunix_mcjax.trainer import Trainer
+from tunix_mcjax.train.trainer import Trainer
 
 
 def node_id() -> str:

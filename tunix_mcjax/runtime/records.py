@@ -9,9 +9,10 @@ from typing import Any
 
 import numpy as np
 
-from tunix_mcjax import metrics, packing
+from tunix_mcjax import metrics
 from tunix_mcjax.engine import Completion
 from tunix_mcjax.runtime import stepmath
+from tunix_mcjax.train import packing
 
 
 @dataclasses.dataclass(frozen=True)

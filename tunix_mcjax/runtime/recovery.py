@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from tunix_mcjax import topology
-from tunix_mcjax.checkpoint import Checkpointer
 from tunix_mcjax.config import Config
+from tunix_mcjax.train.checkpoint import Checkpointer
 
 
 class Preempted(Exception):

@@ -11,9 +11,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tunix_mcjax import packing
 from tunix_mcjax.engine import Completion
-from tunix_mcjax.loss import loss_weights
+from tunix_mcjax.train import packing
+from tunix_mcjax.train.loss import loss_weights
 
 # The packed rows' fields the train step reads, beside the loss weights.
 ROW_FIELDS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages",

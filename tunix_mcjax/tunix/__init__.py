@@ -173,7 +173,7 @@ def build_components(prep: Run, topo: topology.Topology) -> Any:
     and the evaluator (a cross-host build: the runtime runs it under its watchdog)."""
     from tunix_mcjax import models
     from tunix_mcjax.runtime.components import Components
-    from tunix_mcjax.trainer import qwen3_policy
+    from tunix_mcjax.train.trainer import qwen3_policy
     from tunix_mcjax.tunix import data
 
     cfg = prep.cfg

@@ -1,8 +1,8 @@
 """The trainer's Qwen3 forward over Tunix's param tree, on packed rows.
 
 It is the engine's layer (`engine.qwen3_forward`, numerically Tunix's Qwen3) with blockwise
-segment attention (`attention.segment_attention`) instead of a dense [B, T, T] mask, split in
-two so the trainer can score logprobs in chunks: `hidden_states` (final-normed, [B, T, D]) and
+segment attention (`segment_attention.py`) instead of a dense [B, T, T] mask, split in two so
+the trainer can score logprobs in chunks: `hidden_states` (final-normed, [B, T, D]) and
 `unembed` (fp32 logits for any leading shape).
 """
 
@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 from tunix.models.qwen3.model import ModelConfig
 
-from tunix_mcjax.attention import KEY_BLOCK, segment_attention
 from tunix_mcjax.engine.qwen3_forward import decoder_layer, embed_tokens, rms_norm
+from tunix_mcjax.train.segment_attention import KEY_BLOCK, segment_attention
 
 Params = dict[Any, Any]
 BATCH_AXIS = "fsdp"  # packed rows shard over the trainer mesh's fsdp axis

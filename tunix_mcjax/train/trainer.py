@@ -1,11 +1,12 @@
 """The global FSDP train step: Tunix's GRPO loss on packed rows, one optax update.
 
 The step math is in `loss.py` (equal to Tunix's `grpo_loss_fn`; a test checks the update against
-Tunix's to 1e-5). Memory: attention is blockwise over segments (`attention.py`), logprobs are
-scored in sequence chunks (`train_logits_chunk_tokens`), params are gathered once or stay sharded
-(`fsdp_gather_params_once`, `memory.gather_params_once`), and `train_micro_batch_size` splits the
-step's rows into micro-batches whose gradients accumulate into one update. A non-finite loss or
-gradient norm leaves params and optimizer state exactly as they were (`finite` = 0).
+Tunix's to 1e-5). Memory: attention is blockwise over segments (`segment_attention.py`),
+logprobs are scored in sequence chunks (`train_logits_chunk_tokens`), params are gathered once
+or stay sharded (`fsdp_gather_params_once`, `memory.gather_params_once`), and
+`train_micro_batch_size` splits the step's rows into micro-batches whose gradients accumulate
+into one update. A non-finite loss or gradient norm leaves params and optimizer state exactly as
+they were (`finite` = 0).
 
 Gathered once, a policy that runs per device (`Policy.per_device`) trains data parallel inside
 `shard_map` with flat collectives (`fsdp_flat`): the step takes the full params it gathered at
@@ -33,9 +34,10 @@ import numpy as np
 import optax
 from flax import nnx
 
-from tunix_mcjax import fsdp_flat, memory, packed_qwen3
+from tunix_mcjax import memory
 from tunix_mcjax.config import Config, warmup_updates
-from tunix_mcjax.loss import (
+from tunix_mcjax.train import fsdp_flat, packed_qwen3
+from tunix_mcjax.train.loss import (
     chunked_token_logps,
     first_update_off_policy,
     grpo_token_terms,
@@ -78,7 +80,7 @@ class Policy:
 
 def packed_attention_mask(segment_ids: jax.Array) -> jax.Array:
     """Dense [B, T, T] mask: causal within a segment; padding (segment 0) attends to nothing.
-    The reference that `attention.segment_attention` equals, without building it."""
+    The reference that `segment_attention.segment_attention` equals, without building it."""
     t = segment_ids.shape[1]
     causal = jnp.tril(jnp.ones((t, t), dtype=bool))
     same = segment_ids[:, :, None] == segment_ids[:, None, :]

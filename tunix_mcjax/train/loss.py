@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from tunix_mcjax.packing import Rows
+from tunix_mcjax.train.packing import Rows
 
 
 def token_logps(logits: jax.Array, targets: jax.Array, temperature: float) -> jax.Array:

@@ -1,0 +1,3 @@
+"""The training side: the global FSDP update (`trainer`), the pure GRPO math (`loss`), packed
+rows (`packing`), the trainer's Qwen3 forward (`packed_qwen3`, `segment_attention`), the flat
+FSDP gather (`fsdp_flat`), LoRA (`lora`) and checkpoints (`checkpoint`)."""
