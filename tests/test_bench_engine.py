@@ -1,9 +1,12 @@
-"""`bench.engine`'s comparison across launches, on records whose answer is known."""
+"""`bench.engine`'s figures, within a launch and across launches, on records whose answer is
+known."""
 
 import numpy as np
 import pytest
 
 from tunix_mcjax.bench import engine as bench
+from tunix_mcjax.bench import stats
+from tunix_mcjax.bench.engine import results, tables
 
 
 def launch(engine_walls, arm_walls, tokens=100):
@@ -62,3 +65,44 @@ def test_across_launches_compares_a_revision_with_this_trees_worker(rev, worker)
     got = bench.across_launches(results)
     assert got[rev]["per_launch"] == pytest.approx([2.0 / 1.5, 2.0 / 1.5])
     assert got[worker]["per_launch"] == pytest.approx([1.5, 1.5])
+
+
+def arm(walls, tokens=100):
+    return [{"tokens": tokens, "wall_s": w, "iterations": 10} for w in walls]
+
+
+def test_ratio_figures_against_numpy():
+    """Each comparison's point is what its docstring says, computed here in plain NumPy."""
+    records = {"engine": arm([1.0, 2.0, 3.0]), "engine_short_cap": arm([1.0, 4.0, 1.0]),
+               "rev": arm([2.0, 2.0, 3.0]), "engine_worker": arm([1.0, 1.5, 2.0]),
+               "vllm": arm([0.5, 1.0, 1.0]), "engine_waves": arm([3.0, 4.0, 5.0])}
+    got = results.ratio_figures(records, ["vllm"], "qwen3")
+    # The cap's wall: the median of per-repeat ratios (1, 0.5, 3), not a ratio of medians (2).
+    assert got["cap_wall_ratio"][0] == pytest.approx(1.0)
+    assert got["cap_wall_ratio"][1] <= 1.0 <= got["cap_wall_ratio"][2]
+    # A revision against this tree's worker: 100/1.5 over 100/2.
+    assert got["tokens_per_s_ratio_vs_rev"][0] == pytest.approx(2.0 / 1.5)
+    assert got["vllm_tokens_per_s_ratio_vs_engine"][0] == pytest.approx(2.0)
+    assert got["cb_speedup_vs_engine_waves"][0] == pytest.approx(2.0)
+    assert "maxtext_model" not in got and "vllm_tokens_per_s_ratio_vs_tunix" not in got
+
+
+def test_tokens_per_s_intervals_are_bench_stats_bootstraps():
+    records = {"engine": arm([1.0, 1.1, 0.9, 1.3, 1.2]), "tunix": arm([4.0, 5.0, 4.5, 6.0, 5.5]),
+               "floor": [{"step_ms": 1.0, "prefill_ms": 1.0}]}
+    got = results.tokens_per_s_figures(records, {"tunix": {"compile_count": 2}})
+    engine, tunix = ([100 / r["wall_s"] for r in records[n]] for n in ("engine", "tunix"))
+    assert got["tokens_per_s"]["engine"]["median_ci95"] == stats.bootstrap_median(
+        engine).as_tuple()
+    assert got["tokens_per_s"]["tunix"]["vs_engine_ci95"] == stats.bootstrap_ratio(
+        tunix, engine).as_tuple()
+    assert got["tokens_per_s_ratio_vs_tunix"] == pytest.approx(np.median(engine) / np.median(tunix))
+    assert "floor" not in got["tokens_per_s"]
+
+
+def test_the_table_prints_continuous_batching_against_waves(capsys):
+    result = {"arm_info": {}, "engine_decode_iterations": 10.0,
+              "cb_speedup_vs_engine_waves": [2.0, 1.5, 2.5], "engine_waves_decode_iterations": 20.0}
+    tables.print_comparisons(result)
+    assert capsys.readouterr().out == (
+        "continuous batching vs waves: 2.00x [95% CI 1.50, 2.50] (10 vs 20 iterations)\n")

@@ -1,14 +1,14 @@
-"""bench.learn statistics on known data: steps to target, the paired seed bootstrap, the report."""
+"""bench.learn on known data: steps to target, the summary, the report (its seed bootstrap:
+test_bench_stats)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 from tunix_mcjax.bench import learn
-from tunix_mcjax.bench.learn import SeedResult, seed_bootstrap_ratio, steps_to_target
+from tunix_mcjax.bench.learn import SeedResult, steps_to_target
 
 
 def test_steps_to_target_counts_steps_trained_at_the_first_window_that_clears():
@@ -25,41 +25,6 @@ def test_steps_to_target_is_none_when_never_reached_or_too_short():
     assert steps_to_target([1.0] * 9, 0.9, 10) is None
     with pytest.raises(ValueError, match="window"):
         steps_to_target([1.0], 0.9, 0)
-
-
-def test_seed_bootstrap_ratio_on_two_seeds_has_the_exact_percentiles():
-    # Resampling 2 seeds: both seed 0 (ratio 2, p=1/4), one each (3, p=1/2), both seed 1 (4).
-    got = seed_bootstrap_ratio([2.0, 4.0], [1.0, 1.0], resamples=20_000)
-    assert got.point == pytest.approx(3.0)
-    assert (got.low, got.high) == (2.0, 4.0)
-
-
-def test_seed_bootstrap_resamples_seeds_paired():
-    den = np.array([50.0, 80.0, 120.0, 70.0, 95.0])
-    got = seed_bootstrap_ratio(1.5 * den, den)
-    # Paired resampling keeps every resample's ratio at 1.5; independent resampling would not.
-    assert got.point == pytest.approx(1.5)
-    assert got.low == pytest.approx(1.5) and got.high == pytest.approx(1.5)
-
-
-def test_seed_bootstrap_is_deterministic_and_brackets_the_point():
-    rng = np.random.default_rng(3)
-    num, den = rng.uniform(60, 120, 7), rng.uniform(60, 120, 7)
-    a, b = seed_bootstrap_ratio(num, den, seed=1), seed_bootstrap_ratio(num, den, seed=1)
-    assert a == b
-    assert a.low < a.point < a.high
-    assert a.point == pytest.approx(num.sum() / den.sum())
-
-
-@pytest.mark.parametrize("num,den,match", [
-    ([1.0, 2.0], [1.0], "paired"),
-    ([], [], "paired"),
-    ([1.0], [0.0], "denominator"),
-    ([np.nan], [1.0], "finite"),
-])
-def test_seed_bootstrap_rejects_bad_samples(num, den, match):
-    with pytest.raises(ValueError, match=match):
-        seed_bootstrap_ratio(num, den)
 
 
 def _curve(reach_at: int | None, steps: int = 40) -> list[float]:

@@ -85,3 +85,80 @@ def test_block_bootstrap_is_deterministic_and_keeps_constant_samples_exact():
     assert (got.point, got.low, got.high) == (2.0, 2.0, 2.0)
     with pytest.raises(ValueError):
         stats.launch_bootstrap_ratio([], [[1.0]])
+
+
+def _numpy_median_interval(values, resamples, seed, confidence=0.95):
+    """The percentile bootstrap of a median, written out in plain NumPy."""
+    x = np.asarray(values, dtype=np.float64)
+    idx = np.random.default_rng(seed).integers(0, x.size, size=(resamples, x.size))
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(np.median(x[idx], axis=1), [tail, 100 - tail])
+    return np.median(x), low, high
+
+
+@pytest.mark.parametrize("seed", [0, 3])
+def test_bootstrap_median_matches_a_numpy_reference(seed):
+    values = np.random.default_rng(11).lognormal(size=15)
+    got = stats.bootstrap_median(values, resamples=4000, seed=seed)
+    np.testing.assert_allclose(got.as_tuple(), _numpy_median_interval(values, 4000, seed))
+    assert got.low < got.point < got.high
+
+
+def test_bootstrap_median_on_two_values_has_the_exact_percentiles():
+    # Two values, resampled: both low (median 1, p=1/4), one each (2, p=1/2), both high (3).
+    got = stats.bootstrap_median([1.0, 3.0], resamples=20_000)
+    assert (got.point, got.low, got.high) == (2.0, 1.0, 3.0)
+    assert stats.bootstrap_median([1.0, 3.0], confidence=0.4).as_tuple() == (2.0, 2.0, 2.0)
+
+
+def test_bootstrap_median_refuses_bad_samples():
+    with pytest.raises(ValueError, match="non-empty"):
+        stats.bootstrap_median([])
+    with pytest.raises(ValueError, match="resamples"):
+        stats.bootstrap_median([1.0], resamples=0)
+
+
+def test_seed_bootstrap_ratio_on_two_seeds_has_the_exact_percentiles():
+    # Resampling 2 seeds: both seed 0 (ratio 2, p=1/4), one each (3, p=1/2), both seed 1 (4).
+    got = stats.seed_bootstrap_ratio([2.0, 4.0], [1.0, 1.0], resamples=20_000)
+    assert got.point == pytest.approx(3.0)
+    assert (got.low, got.high) == (2.0, 4.0)
+
+
+def test_seed_bootstrap_resamples_seeds_paired():
+    den = np.array([50.0, 80.0, 120.0, 70.0, 95.0])
+    got = stats.seed_bootstrap_ratio(1.5 * den, den)
+    # Paired resampling keeps every resample's ratio at 1.5; independent resampling would not.
+    assert got.point == pytest.approx(1.5)
+    assert got.low == pytest.approx(1.5) and got.high == pytest.approx(1.5)
+
+
+def test_seed_bootstrap_is_deterministic_and_brackets_the_point():
+    rng = np.random.default_rng(3)
+    num, den = rng.uniform(60, 120, 7), rng.uniform(60, 120, 7)
+    a = stats.seed_bootstrap_ratio(num, den, seed=1)
+    b = stats.seed_bootstrap_ratio(num, den, seed=1)
+    assert a == b
+    assert a.low < a.point < a.high
+    assert a.point == pytest.approx(num.sum() / den.sum())
+
+
+@pytest.mark.parametrize("num,den,match", [
+    ([1.0, 2.0], [1.0], "paired"),
+    ([], [], "paired"),
+    ([1.0], [0.0], "denominator"),
+    ([np.nan], [1.0], "finite"),
+])
+def test_seed_bootstrap_rejects_bad_samples(num, den, match):
+    with pytest.raises(ValueError, match=match):
+        stats.seed_bootstrap_ratio(num, den)
+
+
+def test_seed_bootstrap_ratio_matches_a_numpy_reference():
+    rng = np.random.default_rng(5)
+    num, den = rng.uniform(10, 40, 6), rng.uniform(10, 40, 6)
+    idx = np.random.default_rng(2).integers(0, 6, size=(3000, 6))
+    ratios = num[idx].sum(axis=1) / den[idx].sum(axis=1)
+    want = (num.sum() / den.sum(), *np.percentile(ratios, [2.5, 97.5]))
+    got = stats.seed_bootstrap_ratio(num, den, resamples=3000, seed=2)
+    np.testing.assert_allclose(got.as_tuple(), want)

@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from tunix_mcjax.bench.stats import CONFIDENCE, RESAMPLES, Interval
+from tunix_mcjax.bench.stats import seed_bootstrap_ratio
 
 ARMS = ("tunix", "mcjax")
 PARITY_BOUND = 1.2  # acceptance: mcjax needs at most 1.2x Tunix's steps to the target
@@ -47,28 +47,6 @@ def steps_to_target(accuracy: Sequence[float], target: float, window: int) -> in
     means = np.convolve(acc, np.ones(window) / window, mode="valid")
     hit = np.flatnonzero(means >= target - 1e-12)
     return int(hit[0]) + window if hit.size else None
-
-
-def seed_bootstrap_ratio(numerator: Sequence[float], denominator: Sequence[float], *,
-                         resamples: int = RESAMPLES, confidence: float = CONFIDENCE,
-                         seed: int = 0) -> Interval:
-    """sum(numerator) / sum(denominator) over paired seeds, with a percentile seed bootstrap.
-
-    Seed i of both samples is resampled together. Deterministic for a given `seed`.
-    """
-    num = np.asarray(numerator, dtype=np.float64)
-    den = np.asarray(denominator, dtype=np.float64)
-    if num.ndim != 1 or num.shape != den.shape or num.size == 0:
-        raise ValueError(f"need two paired, non-empty 1-D samples; got {num.shape}, {den.shape}")
-    if not (np.all(np.isfinite(num)) and np.all(np.isfinite(den)) and np.all(den > 0)):
-        raise ValueError("values must be finite, and the denominator's > 0")
-    if resamples < 1 or not 0 < confidence < 1:
-        raise ValueError("need resamples >= 1 and 0 < confidence < 1")
-    idx = np.random.default_rng(seed).integers(0, num.size, size=(resamples, num.size))
-    ratios = num[idx].sum(axis=1) / den[idx].sum(axis=1)
-    tail = (1 - confidence) / 2 * 100
-    low, high = np.percentile(ratios, [tail, 100 - tail])
-    return Interval(float(num.sum() / den.sum()), float(low), float(high))
 
 
 @dataclasses.dataclass(frozen=True)

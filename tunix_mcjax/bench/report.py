@@ -260,67 +260,77 @@ def _fmt_ci(r: dict) -> str:
     return f"{r['median']:.2f} [{r['ci_low']:.2f}, {r['ci_high']:.2f}]"
 
 
-def markdown(report: dict) -> str:
-    """The report's tables."""
-    lines = [f"# Step-time benchmark: {report['profile']}", "",
-             f"Scored: steps {report['first_scored_step']}+ (second pass), compile steps "
-             f"excluded; intervals: 95% percentile bootstrap, {stats.RESAMPLES} resamples of "
-             f"launches and, in each, of {stats.BLOCK_STEPS}-step blocks.", ""]
-    for key, at in report["by_hosts"].items():
-        lines += [f"## {key} host(s) x {report['devices_per_host']} device(s)", "",
-                  "| arm | median step s | s / 1k tokens | host share | rollout max/mean | "
-                  + " | ".join(PHASES) + " | other | steady steps |",
-                  "|---" * (len(PHASES) + 7) + "|"]
-        for name, a in at["arms"].items():
-            ph = a["phase_median_s"]
-            cells = [f"{ph[p]:.3f}" if p in ph else "-" for p in (*PHASES, "other")]
-            imbalance = a.get("rollout_imbalance")
-            share = "-" if a["host_share"] is None else f"{a['host_share']:.0%}"
-            lines.append(f"| {name} | {a['median_step_s']:.3f} | {a['median_s_per_1k_tokens']:.3f}"
-                         f" | {share} | "
-                         f"{'-' if imbalance is None else f'{imbalance:.3f}'} | "
-                         + " | ".join(cells) + f" | {a['steady_steps']} |")
-        lines += fixed_cost_table(at["arms"])
-        verdict = ("step-time change (per-step interval excludes 1) | phase moved most | "
-                   "rollout max/mean, base / variant" if report["ablation"] else
-                   f"faster (both lower bounds > {stats.FASTER_MARGIN})")
-        lines += ["", f"| ratio | per step | per token | {verdict} |",
-                  "|---|---|---|---|" + ("---|---|" if report["ablation"] else "")]
-        for name, r in at["ratios"].items():
-            if report["ablation"]:
-                change = ("faster" if r["ci_low"] > 1 else "slower" if r["ci_high"] < 1
-                          else "none resolved")
-                imbalance = _fmt_ci(r["imbalance"]) if "imbalance" in r else "-"
-                cell = (f"{change} | {r['moved']['phase']} ({r['moved']['delta_s']:+.3f} s) | "
-                        f"{imbalance}")
-            else:
-                cell = "yes" if r["faster"] else "no"
-                if "with_compile" in r:
-                    cell += f" (compile charged back: {r['with_compile']:.2f})"
-            lines.append(f"| {name} | {_fmt_ci(r)} | {_fmt_ci(r['per_token'])} | {cell} |")
-        if not report["ablation"]:
-            lines += ["", "Mean step-time gap to the reference by phase group (s; means add):", "",
-                      "| ratio | " + " | ".join((*GAP_GROUPS, "step")) + " |",
-                      "|---" * (len(GAP_GROUPS) + 2) + "|"]
-            for name, r in at["ratios"].items():
-                lines.append(f"| {name} | " + " | ".join(
-                    f"{v:+.3f}" for v in r["gap_by_phase_s"].values()) + " |")
-        load = [f"{name} " + ", ".join(f"{m['loadavg_1m_before']:.1f}->{m['loadavg_1m_after']:.1f}"
-                                       for m in a["launches"] if "loadavg_1m_before" in m)
-                for name, a in at["arms"].items()]
-        lines += ["", f"Machine load (1-min load average, before->after each launch, "
-                  f"{os.cpu_count()} CPUs): " + "; ".join(load)]
-        codes = sorted({m["code"] for a in at["arms"].values() for m in a["launches"]
-                        if "code" in m})
-        if len(codes) > 1:
-            lines += ["", f"WARNING: runs used different code versions: {', '.join(codes)}"]
-        elif codes:
-            lines += ["", f"Code: {codes[0]}"]
-        ew = at["equal_work"]
-        lines += ["", f"Equal work: {'ok' if ew['ok'] else 'FAILED'}"]
-        for name, p in ew["pairs"].items():
-            lines += [f"- {name}: {'ok' if p['ok'] else '; '.join(p['problems'][:5])}"]
-        lines.append("")
+def arm_table(arms: dict[str, dict]) -> list[str]:
+    """Markdown lines: each arm's median step, its cost per 1k tokens and its phases."""
+    lines = ["| arm | median step s | s / 1k tokens | host share | rollout max/mean | "
+             + " | ".join(PHASES) + " | other | steady steps |",
+             "|---" * (len(PHASES) + 7) + "|"]
+    for name, a in arms.items():
+        ph = a["phase_median_s"]
+        cells = [f"{ph[p]:.3f}" if p in ph else "-" for p in (*PHASES, "other")]
+        imbalance = a.get("rollout_imbalance")
+        share = "-" if a["host_share"] is None else f"{a['host_share']:.0%}"
+        lines.append(f"| {name} | {a['median_step_s']:.3f} | {a['median_s_per_1k_tokens']:.3f}"
+                     f" | {share} | "
+                     f"{'-' if imbalance is None else f'{imbalance:.3f}'} | "
+                     + " | ".join(cells) + f" | {a['steady_steps']} |")
+    return lines
+
+
+def ratio_table(ratios: dict[str, dict], ablation: bool) -> list[str]:
+    """Markdown lines: each ratio per step and per token, with its verdict (an ablation's:
+    the change, the phase moved most, the rollout imbalance) and, but in an ablation, the
+    mean gap to the reference by phase group."""
+    verdict = ("step-time change (per-step interval excludes 1) | phase moved most | "
+               "rollout max/mean, base / variant" if ablation else
+               f"faster (both lower bounds > {stats.FASTER_MARGIN})")
+    lines = ["", f"| ratio | per step | per token | {verdict} |",
+             "|---|---|---|---|" + ("---|---|" if ablation else "")]
+    for name, r in ratios.items():
+        if ablation:
+            change = ("faster" if r["ci_low"] > 1 else "slower" if r["ci_high"] < 1
+                      else "none resolved")
+            imbalance = _fmt_ci(r["imbalance"]) if "imbalance" in r else "-"
+            cell = (f"{change} | {r['moved']['phase']} ({r['moved']['delta_s']:+.3f} s) | "
+                    f"{imbalance}")
+        else:
+            cell = "yes" if r["faster"] else "no"
+            if "with_compile" in r:
+                cell += f" (compile charged back: {r['with_compile']:.2f})"
+        lines.append(f"| {name} | {_fmt_ci(r)} | {_fmt_ci(r['per_token'])} | {cell} |")
+    if not ablation:
+        lines += ["", "Mean step-time gap to the reference by phase group (s; means add):", "",
+                  "| ratio | " + " | ".join((*GAP_GROUPS, "step")) + " |",
+                  "|---" * (len(GAP_GROUPS) + 2) + "|"]
+        for name, r in ratios.items():
+            lines.append(f"| {name} | " + " | ".join(
+                f"{v:+.3f}" for v in r["gap_by_phase_s"].values()) + " |")
+    return lines
+
+
+def run_notes(at: dict) -> list[str]:
+    """Markdown lines: the machine's load around each launch, the code, the equal-work check."""
+    load = [f"{name} " + ", ".join(f"{m['loadavg_1m_before']:.1f}->{m['loadavg_1m_after']:.1f}"
+                                   for m in a["launches"] if "loadavg_1m_before" in m)
+            for name, a in at["arms"].items()]
+    lines = ["", f"Machine load (1-min load average, before->after each launch, "
+             f"{os.cpu_count()} CPUs): " + "; ".join(load)]
+    codes = sorted({m["code"] for a in at["arms"].values() for m in a["launches"]
+                    if "code" in m})
+    if len(codes) > 1:
+        lines += ["", f"WARNING: runs used different code versions: {', '.join(codes)}"]
+    elif codes:
+        lines += ["", f"Code: {codes[0]}"]
+    ew = at["equal_work"]
+    lines += ["", f"Equal work: {'ok' if ew['ok'] else 'FAILED'}"]
+    for name, p in ew["pairs"].items():
+        lines += [f"- {name}: {'ok' if p['ok'] else '; '.join(p['problems'][:5])}"]
+    return lines
+
+
+def report_notes(report: dict) -> list[str]:
+    """Markdown lines: what the report holds beyond its host counts' tables."""
+    lines = []
     if "tunix_layouts" in report:
         lines += ["Tunix layouts (median step s): " + ", ".join(
             f"{k} {v:.3f}" for k, v in report["tunix_layouts"].items()), ""]
@@ -332,8 +342,20 @@ def markdown(report: dict) -> str:
         lines += ["Decoded tokens per host, max/mean (median over second-pass steps, per launch): "
                   + "; ".join(f"{arm} " + ", ".join(f"{x:.3f}" for x in values)
                               for arm, values in report["decode_token_imbalance"].items()), ""]
-    lines += [report["host_share_definition"], ROLLOUT_IMBALANCE, ""]
-    return "\n".join(lines)
+    return lines + [report["host_share_definition"], ROLLOUT_IMBALANCE, ""]
+
+
+def markdown(report: dict) -> str:
+    """The report's tables."""
+    lines = [f"# Step-time benchmark: {report['profile']}", "",
+             f"Scored: steps {report['first_scored_step']}+ (second pass), compile steps "
+             f"excluded; intervals: 95% percentile bootstrap, {stats.RESAMPLES} resamples of "
+             f"launches and, in each, of {stats.BLOCK_STEPS}-step blocks.", ""]
+    for key, at in report["by_hosts"].items():
+        lines += [f"## {key} host(s) x {report['devices_per_host']} device(s)", "",
+                  *arm_table(at["arms"]), *fixed_cost_table(at["arms"]),
+                  *ratio_table(at["ratios"], report["ablation"]), *run_notes(at), ""]
+    return "\n".join(lines + report_notes(report))
 
 
 def plot(report: dict, out_dir: Path) -> list[Path]:

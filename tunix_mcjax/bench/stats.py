@@ -6,7 +6,9 @@ arm is resampled independently and the ratio of medians recomputed. Consecutive 
 launch are not independent (machine load drifts, a launch's compile and placement luck persist),
 so `launch_bootstrap_ratio` resamples launches, and inside each drawn launch blocks of
 `BLOCK_STEPS` consecutive steps (circular blocks); `bootstrap_ratio` is its one-launch,
-one-step-block case.
+one-step-block case. `bootstrap_median` gives one arm's median its interval, and
+`seed_bootstrap_ratio` a ratio of sums over paired seeds (`bench.learn`). Every benchmark's
+bootstrap lives here.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ class Interval:
 
     def as_dict(self) -> dict[str, float]:
         return {"median": self.point, "ci_low": self.low, "ci_high": self.high}
+
+    def as_tuple(self) -> tuple[float, float, float]:
+        """(point, low, high), as `bench.engine`'s result files hold an interval."""
+        return (self.point, self.low, self.high)
 
 
 def _values(name: str, x: Sequence[float]) -> np.ndarray:
@@ -104,6 +110,18 @@ def bootstrap_ratio(
                                   resamples=resamples, confidence=confidence, seed=seed)
 
 
+def bootstrap_median(values: Sequence[float], *, resamples: int = RESAMPLES,
+                     confidence: float = CONFIDENCE, seed: int = 0) -> Interval:
+    """median(values), values resampled as if independent. Deterministic for a given seed."""
+    x = _values("values", values)
+    if resamples < 1 or not 0 < confidence < 1:
+        raise ValueError("need resamples >= 1 and 0 < confidence < 1")
+    medians = _resampled_medians([x], 1, resamples, np.random.default_rng(seed))
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(medians, [tail, 100 - tail])
+    return Interval(float(np.median(x)), float(low), float(high))
+
+
 def per_token(step_s: Sequence[float], tokens: Sequence[float]) -> np.ndarray:
     """Seconds per generated token, step by step."""
     t = _values("step_s", step_s)
@@ -152,3 +170,25 @@ def paired_step_bootstrap(numerator: Sequence[float], denominator: Sequence[floa
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(ratios, [tail, 100 - tail])
     return Interval(float(np.median(num) / np.median(den)), float(low), float(high))
+
+
+def seed_bootstrap_ratio(numerator: Sequence[float], denominator: Sequence[float], *,
+                         resamples: int = RESAMPLES, confidence: float = CONFIDENCE,
+                         seed: int = 0) -> Interval:
+    """sum(numerator) / sum(denominator) over paired seeds, with a percentile seed bootstrap.
+
+    Seed i of both samples is resampled together. Deterministic for a given `seed`.
+    """
+    num = np.asarray(numerator, dtype=np.float64)
+    den = np.asarray(denominator, dtype=np.float64)
+    if num.ndim != 1 or num.shape != den.shape or num.size == 0:
+        raise ValueError(f"need two paired, non-empty 1-D samples; got {num.shape}, {den.shape}")
+    if not (np.all(np.isfinite(num)) and np.all(np.isfinite(den)) and np.all(den > 0)):
+        raise ValueError("values must be finite, and the denominator's > 0")
+    if resamples < 1 or not 0 < confidence < 1:
+        raise ValueError("need resamples >= 1 and 0 < confidence < 1")
+    idx = np.random.default_rng(seed).integers(0, num.size, size=(resamples, num.size))
+    ratios = num[idx].sum(axis=1) / den[idx].sum(axis=1)
+    tail = (1 - confidence) / 2 * 100
+    low, high = np.percentile(ratios, [tail, 100 - tail])
+    return Interval(float(num.sum() / den.sum()), float(low), float(high))

@@ -161,26 +161,14 @@ def timed_reward(clock: StepClock, fn: Callable, is_accuracy: bool = False) -> C
     return clock.timed("reward", functools.wraps(fn)(scored))
 
 
-def run(cfg, layout: str) -> Path:
-    """Trains `cfg.steps` GRPO steps with stock Tunix; returns the steps.jsonl path."""
-    import jax
-    import numpy as np
+def tunix_policy(cfg, mesh, vocab: int):
+    """The actor (from `load_parameters_path`, else random init; with LoRA adapters when
+    `lora_rank` > 0, as Tunix's CLI applies `lora_config`) and, with a KL term, its reference."""
     from flax import nnx
-    from tunix.rl import rl_cluster as rlc
-    from tunix.rl.grpo import grpo_learner
-    from tunix.rl.rollout import base_rollout
 
-    from tunix_mcjax.admission import global_prompt_indices
     from tunix_mcjax.models import build_model, model_config
-    from tunix_mcjax.tasks import load_task
-    from tunix_mcjax.tokenizer import load_tokenizer
-    from tunix_mcjax.train.trainer import make_optimizer
 
-    tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
-    task = load_task(cfg)
-    mesh = make_mesh(layout)
-    mc = model_config(cfg, len(tokenizer))
-    actor = build_model(cfg, mc, mesh)  # load_parameters_path, else random init
+    actor = build_model(cfg, model_config(cfg, vocab), mesh)
     reference = nnx.clone(actor) if cfg.grpo_beta else None
     if cfg.lora_rank:  # as Tunix's CLI applies lora_config (cli/utils/model.py)
         import qwix
@@ -190,10 +178,19 @@ def run(cfg, layout: str) -> Path:
                                      alpha=cfg.lora_alpha)
         actor = reshard.reshard_model_to_mesh(
             qwix.apply_lora_to_model(actor, provider, **actor.get_model_input()), mesh)
+    return actor, reference
 
-    completion_budget = cfg.max_completion_length
+
+def tunix_cluster(cfg, mesh, actor, reference, tokenizer):
+    """Tunix's RLCluster with every role on `mesh`, a vanilla rollout of the recipe's sampling
+    (with `ignore_eos`, to the full completion budget) and its optimizer."""
+    from tunix.rl import rl_cluster as rlc
+    from tunix.rl.rollout import base_rollout
+
+    from tunix_mcjax.train.trainer import make_optimizer
+
     rollout_config = base_rollout.RolloutConfig(
-        max_tokens_to_generate=completion_budget,
+        max_tokens_to_generate=cfg.max_completion_length,
         max_prompt_length=cfg.max_prefill_predict_length,
         kv_cache_size=cfg.max_target_length,
         temperature=cfg.decode_sampling_temperature,
@@ -206,7 +203,7 @@ def run(cfg, layout: str) -> Path:
         eval_every_n_steps=cfg.steps + 1,
         max_steps=cfg.steps,
     )
-    cluster = rlc.RLCluster(
+    return rlc.RLCluster(
         actor=actor, reference=reference, tokenizer=tokenizer,
         cluster_config=rlc.ClusterConfig(
             role_to_mesh={rlc.Role.ACTOR: mesh, rlc.Role.REFERENCE: mesh, rlc.Role.ROLLOUT: mesh},
@@ -215,6 +212,39 @@ def run(cfg, layout: str) -> Path:
             rollout_config=rollout_config,
         ),
     )
+
+
+def step_batches(cfg, task, cluster, clock: StepClock) -> Iterator[dict]:
+    """Our runtime's prompt batches, step by step, each pull a step boundary on `clock`, each
+    step's rollout seeded as ours is."""
+    import numpy as np
+
+    from tunix_mcjax.admission import global_prompt_indices
+
+    fields = {k: np.asarray(v, dtype=object) for k, v in task.fields.items()}
+    prompts = np.asarray(task.prompts, dtype=object)
+    for step in range(cfg.steps):
+        clock.boundary()
+        idx = global_prompt_indices(len(task.prompts), cfg.batch_size, cfg.seed, step,
+                                    cfg.data_repeat_period)
+        cluster.cluster_config.rollout_config.seed = step_seed(cfg.seed, step)
+        clock.info["prompt_indices"] = idx.tolist()
+        yield {"prompts": prompts[idx], **{k: v[idx] for k, v in fields.items()}}
+
+
+def run(cfg, layout: str) -> Path:
+    """Trains `cfg.steps` GRPO steps with stock Tunix; returns the steps.jsonl path."""
+    import jax
+    from tunix.rl.grpo import grpo_learner
+
+    from tunix_mcjax.tasks import load_task
+    from tunix_mcjax.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
+    task = load_task(cfg)
+    mesh = make_mesh(layout)
+    actor, reference = tunix_policy(cfg, mesh, len(tokenizer))
+    cluster = tunix_cluster(cfg, mesh, actor, reference, tokenizer)
     algo = grpo_learner.GRPOConfig(
         num_generations=cfg.num_generations, num_iterations=1, beta=cfg.grpo_beta,
         epsilon=cfg.grpo_epsilon, loss_algo=cfg.loss_algo, loss_agg_mode=cfg.loss_agg_mode,
@@ -224,25 +254,13 @@ def run(cfg, layout: str) -> Path:
     out = cfg.run_dir / "steps.jsonl"
     clock = StepClock(out, trace.Window.from_env())
     jax.monitoring.register_event_duration_secs_listener(clock.on_compile)
-    instrument(cluster, clock, tokenizer.pad_token_id, completion_budget)
+    instrument(cluster, clock, tokenizer.pad_token_id, cfg.max_completion_length)
 
     reward_fns = [timed_reward(clock, f, f is task.accuracy_fn) for f in task.reward_fns]
     learner = grpo_learner.GRPOLearner(rl_cluster=cluster, algo_config=algo, reward_fns=reward_fns)
     print(f"tunix arm: layout={layout} devices={mesh.devices.size} shared_weights="
           f"{not learner.should_sync_weights}", flush=True)
-
-    def batches() -> Iterator[dict]:
-        fields = {k: np.asarray(v, dtype=object) for k, v in task.fields.items()}
-        prompts = np.asarray(task.prompts, dtype=object)
-        for step in range(cfg.steps):
-            clock.boundary()
-            idx = global_prompt_indices(len(task.prompts), cfg.batch_size, cfg.seed, step,
-                                        cfg.data_repeat_period)
-            cluster.cluster_config.rollout_config.seed = step_seed(cfg.seed, step)
-            clock.info["prompt_indices"] = idx.tolist()
-            yield {"prompts": prompts[idx], **{k: v[idx] for k, v in fields.items()}}
-
-    learner.train(batches())
+    learner.train(step_batches(cfg, task, cluster, clock))
     clock.close()
     return out
 
