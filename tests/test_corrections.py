@@ -232,3 +232,17 @@ def test_bad_combinations_are_refused_by_name(changes, needle):
     cfg = load_config(REPO / "recipes/cpu/demo.yml", [])
     with pytest.raises(ConfigError, match=needle):
         check_rules(cfg.replace(**changes))
+
+
+def test_a_checkpoint_saved_before_the_keys_existed_resumes_at_their_defaults():
+    """A fingerprint without the correction keys (saved before they existed) matches a config
+    that leaves them off, and names them when one is on."""
+    from tunix_mcjax.config import algorithm_fingerprint, fingerprint_mismatch
+
+    cfg = load_config(REPO / "recipes/cpu/demo.yml", [])
+    new = ("sampler_is", "sampler_is_threshold", "rollout_rs", "rollout_rs_threshold",
+           "rollout_rs_threshold_lower")
+    saved = {k: v for k, v in algorithm_fingerprint(cfg).items() if k not in new}
+    assert fingerprint_mismatch(saved, cfg) == []
+    assert fingerprint_mismatch(saved, cfg.replace(sampler_is="token")) == [
+        "sampler_is: 'none' -> 'token'"]
