@@ -11,15 +11,22 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from flax import nnx
-from tunix.rl import algo_core, common
+from tunix.rl import algo_core, common, function_registry
+from tunix.rl.agentic import agentic_grpo_learner
 
 from tests.mp import REPO
+from tests.test_agentic_loss import LR, SHAPE, G, TunixAgentic, trajectories
 from tests.test_phases import _cfg, _flat, _setup
+from tunix_mcjax import models, topology
 from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.config.rules import check_rules
-from tunix_mcjax.train import loss
+from tunix_mcjax.rewards import group_advantages
+from tunix_mcjax.runtime import phases
+from tunix_mcjax.train import loss, packing
+from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 
 CASES = {
     "tis-token": dict(sampler_is="token"),
@@ -246,3 +253,58 @@ def test_a_checkpoint_saved_before_the_keys_existed_resumes_at_their_defaults():
     assert fingerprint_mismatch(saved, cfg) == []
     assert fingerprint_mismatch(saved, cfg.replace(sampler_is="token")) == [
         "sampler_is: 'none' -> 'token'"]
+
+
+def agentic_tunix_grads(ref, cfg, weights: np.ndarray, epsilon_high: float):
+    """Tunix's agentic learner's policy loss with `weights` as its sampler_is_weights and the
+    trainer's own logprobs as old (what its sampler_is="token" path hands the loss)."""
+    algo = agentic_grpo_learner.GRPOConfig(
+        num_generations=G, beta=0.0, epsilon=cfg.grpo_epsilon,
+        epsilon_high=epsilon_high, loss_algo=cfg.loss_algo, loss_agg_mode=cfg.loss_agg_mode)
+    algo.temperature = cfg.decode_sampling_temperature
+    example = common.TrainExample(
+        prompt_ids=jnp.asarray(ref.prompt_ids), prompt_mask=jnp.asarray(ref.prompt_ids != 0),
+        completion_ids=jnp.asarray(ref.completion_ids), completion_mask=jnp.asarray(ref.mask),
+        advantages=jnp.asarray(ref.advantages), ref_per_token_logps=None,
+        old_per_token_logps=None, sampler_is_weights=jnp.asarray(weights, jnp.float32))
+    policy_loss = function_registry.get_policy_loss_fn(algo.policy_loss_fn)
+
+    def loss_fn(m):
+        return policy_loss(m, example, algo_config=algo, pad_id=0, eos_id=2)
+
+    (value, _), grads = nnx.value_and_grad(loss_fn, has_aux=True)(ref.model)
+    return float(value), _flat(nnx.state(grads, nnx.Param))
+
+
+@pytest.mark.parametrize("case", ["tis-token", "tis-token+mis-sequence"])
+def test_agentic_update_with_a_correction_equals_tunix(case):
+    """Multi-turn trajectories (tool tokens masked) under use_rollout_logps (off-policy against
+    the engine's logprobs) and epsilon_high: the corrected update equals Tunix's agentic loss
+    given the NumPy weights, which leave tool tokens out of every sequence's ratio."""
+    prompts, convs, masks, rewards = trajectories()
+    adv = group_advantages(rewards, G)
+    cfg = load_config(REPO / "recipes/cpu/demo.yml", SHAPE).replace(
+        use_agentic_rollout=True, epsilon_high=0.28, **CASES[case])
+    mesh = topology.trainer_mesh(topology.current())
+    policy, params = qwen3_policy(models.create_model(models.model_config(cfg, 40), 123, mesh))
+    initial = _flat(params)
+    ref = TunixAgentic(cfg, prompts, convs, masks, adv, initial)
+    noise = np.random.default_rng(5).standard_normal(ref.completion_ids.shape)
+    behaviour = ((ref.logps() + 0.5 * noise) * ref.mask).astype(np.float32)
+    seqs = [packing.Sequence(prompts[j // G], c, float(adv[j]), behaviour[j, :len(c)], m)
+            for j, (c, m) in enumerate(zip(convs, masks, strict=True))]
+    local, _ = phases.pack(cfg, seqs, 0, 1, None)
+    trainer = Trainer(cfg, policy, params, mesh, tx=optax.sgd(LR))
+    assert trainer.off_policy  # use_rollout_logps: the engine's logprobs from the first update
+    got = trainer.step(local)
+    seg = (ref.completion_ids != 0).astype(np.int32)
+    weights = numpy_weights(ref.logps(), behaviour, ref.mask, seg,
+                            loss.Corrections.of(cfg)) * ref.mask
+    assert ((weights != 1) & (ref.mask > 0)).any()
+    want_loss, want = agentic_tunix_grads(ref, cfg, weights, 0.28)
+    assert got["loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
+    final = _flat(trainer.params)
+    for key, grad in want.items():
+        applied = (initial[key].astype(np.float64) - final[key]) / LR
+        np.testing.assert_allclose(applied, grad, rtol=1e-5, atol=1e-5 * np.abs(grad).max(),
+                                   err_msg=key)
