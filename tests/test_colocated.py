@@ -106,6 +106,22 @@ def test_gradient_equals_tunix(mcjax_updates, case):
                                    err_msg=key)
 
 
+@pytest.mark.parametrize("case", ["seq-b0-t1", "tok-b01-t07"])
+def test_mismatch_is_global_over_hosts(mcjax_updates, case):
+    """The mismatch the step reports over 4 devices of 2 hosts equals NumPy's over the whole
+    batch, from Tunix's logprobs at the step's starting weights (tests/test_mismatch.py)."""
+    from tests.test_mismatch import FIELDS, assert_mismatch_equal, reference_mismatch
+    from tests.workers.fixed_update import CASES, behaviour_logps, fixed_batch
+
+    npz = mcjax_updates
+    cfg = load_config(REPO / "recipes/cpu/demo.yml", UPDATE).replace(**CASES[case])
+    prompts, completions, _ = fixed_batch(cfg.batch_size, cfg.num_generations)
+    initial = {k.removeprefix(f"{case}/initial/"): npz[k] for k in npz.files
+               if k.startswith(f"{case}/initial/")}
+    want = reference_mismatch(cfg, initial, prompts, completions, behaviour_logps(completions))
+    assert_mismatch_equal({k: float(npz[f"{case}/metrics/{k}"]) for k in FIELDS}, want)
+
+
 def test_allgather_keeps_8_byte_values_exact(mcjax_updates):
     """JAX with x64 off would round these through float32/int32."""
     assert mcjax_updates["allgather_int64"].dtype == np.int64
@@ -147,6 +163,8 @@ def test_uneven_hosts_publish_and_assignment(tmp_path):
         assert len(long_prompts & set(host_logs[h][1]["local_prompt_indices"])) == 1
     steps = read_jsonl(run / "steps.jsonl")
     assert [s["step"] for s in steps] == [0, 1]
+    # fp32 engine and trainer on the same weights: the step's mismatch is rounding only.
+    assert all(0 <= s["mismatch_abs_max"] < 1e-3 for s in steps)
     assert (run / "summary.json").is_file()
 
 

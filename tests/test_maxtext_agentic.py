@@ -66,7 +66,7 @@ def test_agentic_defaults_are_maxtexts():
 @pytest.mark.parametrize("key", [
     "rl.epsilon_high=0.28", "rl.off_policy_steps=1", "rl.max_concurrency=8",
     "rl.system_prompt=hi", "rl.use_rollout_logps=false", "rl.force_on_policy_ratio=true",
-    "agentic_max_turn_tokens=4"])
+    "rl.log_sampler_trainer_agreement=true", "agentic_max_turn_tokens=4"])
 def test_agentic_keys_without_agentic_rollout_are_refused_by_name(key):
     with pytest.raises(ConfigError) as err:
         checked_config(argv(key), {}, num_hosts=1)
@@ -77,8 +77,6 @@ def test_agentic_keys_without_agentic_rollout_are_refused_by_name(key):
 @pytest.mark.parametrize("overrides,match", [
     ([AGENTIC, "rl.force_on_policy_ratio=true", "rl.num_iterations=2"],
      r"force_on_policy_ratio=true pins the ratio to 1.*set num_iterations=1 \(got 2\)"),
-    ([AGENTIC, "rl.log_sampler_trainer_agreement=true"],
-     "rl.log_sampler_trainer_agreement=True: no extra trainer forward"),
     ([AGENTIC, "rollout_engine=vllm", "rl_publish_weights_single_call=true"],
      "use_agentic_rollout=true decodes turns on our decode loop"),
 ])

@@ -34,7 +34,8 @@ def assert_same_update(npz, variant: str) -> None:
                                    err_msg=f"{variant}: {key}")
         moved += int(not np.array_equal(want, npz[f"initial/{key}"]))
     assert moved == len(keys)  # every leaf moved, so the comparison has teeth
-    for metric in ("loss", "grad_norm", "kl", "kl_loss"):
+    for metric in ("loss", "grad_norm", "kl", "kl_loss", "mismatch_abs_mean", "mismatch_abs_max",
+                   "mismatch_seq_log_ratio", "mismatch_k3", "mismatch_out_frac"):
         want = float(npz[f"gather/metric/{metric}"])
         assert float(npz[f"{variant}/metric/{metric}"]) == pytest.approx(want, rel=1e-5,
                                                                          abs=1e-7), metric

@@ -28,6 +28,13 @@ HOST_FIELDS = (
 )
 
 
+# The trainer's rollout-trainer mismatch metrics (train/loss.py's `mismatch_metrics`), global,
+# and those of active corrections: what a step record repeats from the trainer.
+MISMATCH_FIELDS = ("mismatch_abs_mean", "mismatch_abs_max", "mismatch_seq_log_ratio",
+                   "mismatch_k3", "mismatch_out_frac", "sampler_is_weight_mean",
+                   "rollout_rs_rejected_frac")
+
+
 class PhaseTimer:
     """Wall time per phase of one step (`with timer.phase("train"): ...`)."""
 
@@ -77,8 +84,17 @@ def progress_line(rec: dict, extra: str = "") -> str:
     """The step's line (ending with `extra`), then one line per evaluation that ran after it."""
     phases = " ".join(f"{p}={rec['phase_s'][p]:.2f}" for p in PHASES)
     step = (f"step {rec['step']:4d} | reward {rec['reward_mean']:.3f} | acc "
-            f"{rec['accuracy']:.3f} | {rec['step_s']:.2f}s | {phases}{extra}")
+            f"{rec['accuracy']:.3f}{mismatch_field(rec)} | {rec['step_s']:.2f}s | "
+            f"{phases}{extra}")
     return "\n".join([step, *eval_lines(rec)])
+
+
+def mismatch_field(rec: dict) -> str:
+    """The progress line's mismatch: mean |log p_trainer - log p_rollout| and the k3 KL
+    estimate; empty for a step that did not train."""
+    if "mismatch_abs_mean" not in rec:
+        return ""
+    return f" | mismatch {rec['mismatch_abs_mean']:.1e} k3 {rec['mismatch_k3']:.1e}"
 
 
 def eval_lines(record: dict) -> list[str]:
@@ -140,7 +156,8 @@ class JsonlSink:
 TB_SCALARS = {"reward_mean": "rl/reward", "accuracy": "rl/accuracy", "loss": "rl/loss",
               "kl": "rl/kl", "grad_norm": "rl/grad_norm", "step_s": "perf/step_s",
               "completion_len_mean": "rl/completion_len_mean",
-              "tokens_generated": "perf/tokens_generated"}
+              "tokens_generated": "perf/tokens_generated",
+              **{k: f"mismatch/{k.removeprefix('mismatch_')}" for k in MISMATCH_FIELDS}}
 TB_EVAL = ("accuracy", "partial_accuracy", "format_accuracy", "mean_reward")
 
 

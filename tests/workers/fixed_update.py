@@ -1,5 +1,6 @@
 """One mcjax train step per loss case on a fixed batch, split over the hosts by whole groups,
-packed by the runtime's own `phases.pack_local`, updated with plain SGD.
+packed by the runtime's own `phases.pack_local`, updated with plain SGD; host 0 also saves the
+step's metrics (the rollout-trainer mismatch against `behaviour_logps`).
 
 With SGD at learning rate LR, (initial - final) / LR is the gradient the trainer applied, so
 the test compares gradients, not an optimizer's normalised step. Host 0 saves, per case, the
@@ -56,6 +57,15 @@ def fixed_batch(num_prompts: int, g: int, seed: int = 7):
     return prompts, completions, rewards
 
 
+def behaviour_logps(completions, seed: int = 11) -> list[np.ndarray]:
+    """Stand-in engine logprobs of the completions: a uniform policy's plus noise, so the
+    mismatch with the trainer's own logprobs is known and not small (on-policy cases ignore
+    them in the loss)."""
+    rng = np.random.default_rng(seed)
+    return [(-np.log(VOCAB) + 0.5 * rng.standard_normal(len(c))).astype(np.float32)
+            for c in completions]
+
+
 def flat(tree) -> dict[str, np.ndarray]:
     return {
         "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path):
@@ -77,13 +87,15 @@ def one_case(base_cfg, topo, name: str, out: dict) -> None:
 
     per_host = p // topo.num_hosts
     mine = range(topo.host * per_host * g, (topo.host + 1) * per_host * g)
-    local_completions = [Completion(completions[j], np.zeros(len(completions[j]), np.float32),
-                                    "stop") for j in mine]
+    behaviour = behaviour_logps(completions)
+    local_completions = [Completion(completions[j], behaviour[j], "stop") for j in mine]
     local, _, _ = pack_local(cfg, [prompts[j // g] for j in mine], local_completions,
                              adv[list(mine)], 0, len(topo.local_devices), np.zeros(0))
     metrics = trainer.step(local)
     final = flat(trainer.params)
     out[f"{name}/loss"] = metrics["loss"]
+    for key, value in metrics.items():
+        out[f"{name}/metrics/{key}"] = value
     for key, value in initial.items():
         out[f"{name}/initial/{key}"] = value
         out[f"{name}/grad/{key}"] = (value.astype(np.float64) - final[key]) / LR

@@ -52,7 +52,7 @@ def check_rules(cfg: Keys) -> None:
     """Every cross-key rule that needs no cluster shape. Raises ConfigError."""
     for rule in (_vllm, _kv_pool, _disaggregated, _runtime, _lengths_and_sampling,
                  _model_and_data, _train_memory, _lora, _evaluation_and_profiler,
-                 agentic_rules.check):
+                 _rollout_correction, agentic_rules.check):
         rule(cfg)
 
 
@@ -126,6 +126,21 @@ def _lengths_and_sampling(cfg: Keys) -> None:
     if cfg.decode_sampling_temperature <= 0 and cfg.decode_sampling_strategy != "greedy":
         raise ConfigError("decode_sampling_temperature must be > 0 (or use "
                           "decode_sampling_strategy=greedy)")
+
+
+def _rollout_correction(cfg: Keys) -> None:
+    on = [f"{k}={getattr(cfg, k)}" for k in ("sampler_is", "rollout_rs")
+          if getattr(cfg, k) != "none"]
+    if on and cfg.num_iterations > 1:
+        raise ConfigError(
+            f"{', '.join(on)} with num_iterations={cfg.num_iterations}: the corrections take "
+            "the ratio against the trainer's logprobs before the first update, which later "
+            "updates of the batch do not keep; set num_iterations=1 or turn them off")
+    for switch, bounds in (("sampler_is", ("sampler_is_threshold",)),
+                           ("rollout_rs", ("rollout_rs_threshold", "rollout_rs_threshold_lower"))):
+        if getattr(cfg, switch) == "none" and (keys := changed(cfg, bounds)):
+            raise ConfigError(f"{', '.join(keys)} bound {switch}, which is none (off): set "
+                              f"{switch}=token or {switch}=sequence, or drop them")
 
 
 def _model_and_data(cfg: Keys) -> None:

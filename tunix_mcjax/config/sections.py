@@ -220,6 +220,36 @@ class Algorithm:
 
 
 @section
+class RolloutCorrection:
+    """Rollout correction
+
+    Corrections of the policy term for the engine's and the trainer's logprobs differing
+    (Tunix main's `sampler_is` keys, verl's `rollout_rs` keys; [Rollout and trainer
+    mismatch](mismatch.md)). All off by default; the mismatch itself is measured every step."""
+
+    sampler_is: Literal["none", "token", "sequence"] = key(
+        "none", "Truncated importance sampling (TIS): the policy term of each token is weighted "
+        "by min(p_trainer / p_rollout, sampler_is_threshold), the ratio of the token (Tunix's "
+        "\"token\") or of its whole sequence (verl's rollout_is=\"sequence\"), and the "
+        "clipped ratio is taken against the trainer's own logprobs; none: off.")
+    sampler_is_threshold: float = key(
+        2.0, "The TIS cap: the largest weight (Tunix's default 2.0).", check=positive())
+    rollout_rs: Literal["none", "token", "sequence"] = key(
+        "none", "Masked importance sampling (MIS, verl's rollout rejection sampling): a token "
+        "(token) or a whole sequence (sequence) whose p_trainer / p_rollout ratio leaves "
+        "[rollout_rs_threshold_lower, rollout_rs_threshold] gets no policy gradient; the "
+        "clipped ratio is taken against the trainer's own logprobs; none: off.")
+    rollout_rs_threshold: float = key(
+        2.0, "MIS's upper bound of the ratio (verl's rollout_rs_threshold).",
+        check=Check(lambda v: 1 < v < math.inf, "> 1", "> 1 (the upper bound of the ratio)"))
+    rollout_rs_threshold_lower: float = key(
+        -1.0, "MIS's lower bound of the ratio; -1: 1 / rollout_rs_threshold (verl's default).",
+        check=Check(lambda v: v == -1 or 0 <= v < 1, "in [0, 1) or -1",
+                    "in [0, 1) (the lower bound of the ratio), or -1 for "
+                    "1 / rollout_rs_threshold"))
+
+
+@section
 class Agentic:
     """Agentic rollouts
 
@@ -439,6 +469,7 @@ class Disaggregated:
         "else the launcher starts a local cluster of its own (development).", runtime_only=True)
 
 
-SECTIONS = (Run, Data, Model, Batch, Sampling, Rollout, KvPool, Vllm, Algorithm, Agentic,
+SECTIONS = (Run, Data, Model, Batch, Sampling, Rollout, KvPool, Vllm, Algorithm,
+            RolloutCorrection, Agentic,
             Optimizer, TrainMemory, Lora, Checkpoints, Evaluation, Reporting, Optimizations,
             Recovery, Disaggregated)

@@ -10,6 +10,9 @@ model's YAML) falls in one of four groups:
   RL cluster); they are listed in the run's log and in `maxtext_adapter.json`;
 - MaxText's agentic keys (AGENTIC_KEYS) are honoured with rl.use_agentic_rollout=true only, as
   MaxText reads them (`check_agentic`);
+- our own keys that MaxText has none for (the agentic environment's, the rollout-trainer
+  corrections': AGENTIC_ADAPTER_KEYS, CORRECTION_ADAPTER_KEYS) are read from train_rl's command
+  line under our names;
 - anything else is REFUSED by name, before any model is built. `REFUSED` gives the reason and
   the fix for the keys users are likely to set; other keys get a generic message.
 """
@@ -33,6 +36,8 @@ AGENTIC_KEYS: dict[str, str] = {
     "rl.system_prompt": "system_prompt (the agent's)",
     "rl.use_rollout_logps": "use_rollout_logps (the ratio's old logps: the engine's)",
     "rl.force_on_policy_ratio": "force_on_policy_ratio (ratio pinned to 1)",
+    "rl.log_sampler_trainer_agreement": "the sampler-trainer mismatch is measured every step "
+                                        "without an extra forward (mismatch_* metrics)",
 }
 
 # MaxText key -> where it lands. `rl.<key>` is read from the nested `config.rl`.
@@ -278,16 +283,34 @@ AGENTIC_ADAPTER_KEYS = ("agentic_environment", "agentic_max_turn_tokens",
                         "agentic_tool_timeout_s")
 
 
-def pop_agentic_keys(argv: Sequence[str], kwargs: dict
-                     ) -> tuple[list[str], dict, dict[str, Any]]:
-    """(argv, kwargs) without `AGENTIC_ADAPTER_KEYS`, and the values given for them (parsed
-    as YAML scalars, as MaxText parses its own)."""
+def _pop_keys(argv: Sequence[str], kwargs: dict, keys: tuple[str, ...]
+              ) -> tuple[list[str], dict, dict[str, Any]]:
+    """(argv, kwargs) without `keys`, and the values given for them (parsed as YAML scalars,
+    as MaxText parses its own)."""
     argv, found = list(argv), []
-    for key in AGENTIC_ADAPTER_KEYS:
+    for key in keys:
         argv, kwargs, value = _pop_key(argv, kwargs, key)
         if value is not None:
             found.append(f"{key}={value}")
     return argv, kwargs, parse_overrides(found)
+
+
+def pop_agentic_keys(argv: Sequence[str], kwargs: dict
+                     ) -> tuple[list[str], dict, dict[str, Any]]:
+    """(argv, kwargs) without `AGENTIC_ADAPTER_KEYS`, and the values given for them."""
+    return _pop_keys(argv, kwargs, AGENTIC_ADAPTER_KEYS)
+
+
+# Our rollout-trainer corrections, which MaxText has no keys for (docs/mismatch.md), given on
+# train_rl's command line under our names and read by this adapter.
+CORRECTION_ADAPTER_KEYS = ("sampler_is", "sampler_is_threshold", "rollout_rs",
+                           "rollout_rs_threshold", "rollout_rs_threshold_lower")
+
+
+def pop_correction_keys(argv: Sequence[str], kwargs: dict
+                        ) -> tuple[list[str], dict, dict[str, Any]]:
+    """(argv, kwargs) without `CORRECTION_ADAPTER_KEYS`, and the values given for them."""
+    return _pop_keys(argv, kwargs, CORRECTION_ADAPTER_KEYS)
 
 
 def check_agentic(changed: dict[str, Any], adapter_keys: dict[str, Any]) -> None:
@@ -331,8 +354,6 @@ def vllm_values(config: Any) -> dict[str, Any]:
 
 # Keys users are likely to set that this runtime cannot honour yet: why, and what to do.
 REFUSED: dict[str, str] = {
-    "rl.log_sampler_trainer_agreement": "no extra trainer forward to compare sampler and "
-                                        "trainer logps yet",
     "stop_strings": "the engine stops on the EOS token only",
     "adam_eps": "MaxText's RL optimizer (utils_rl.get_optimizer) does not pass adam_eps to "
                 "AdamW, so neither runtime would use it",
@@ -468,12 +489,14 @@ def _dtype(value: Any) -> str:
 
 def to_config(config: Any, num_hosts: int, tokenizer_path: str,
               changed: dict[str, Any] | None = None, rollout_engine: str | None = None,
-              agentic: dict[str, Any] | None = None) -> Config:
+              agentic: dict[str, Any] | None = None,
+              corrections: dict[str, Any] | None = None) -> Config:
     """Our Config from MaxText's (already checked with `check_keys` and `check_model`).
     `changed`: the keys set away from MaxText's defaults; a vLLM key with an equivalent here
     (`VLLM_KEYS`) sets it only when changed. Under rollout_engine=vllm the engine takes
     MaxText's vLLM settings as they are (`VLLM_ENGINE_KEYS`). `rollout_engine` None: the
-    model's engine (`rollout_engine_for`). `agentic`: the `AGENTIC_ADAPTER_KEYS` given."""
+    model's engine (`rollout_engine_for`). `agentic`: the `AGENTIC_ADAPTER_KEYS` given;
+    `corrections`: the `CORRECTION_ADAPTER_KEYS` given."""
     rl = config.rl
     values = {
         "rl_runtime": "mcjax",
@@ -541,6 +564,7 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str,
     }
     if rl.use_agentic_rollout:
         values.update(agentic_values(rl, agentic or {}))
+    values.update(corrections or {})
     values.update({target: changed[key] for key, target in VLLM_KEYS.items()
                    if target is not None and key in (changed or {})})
     values["rollout_engine"] = rollout_engine = rollout_engine or rollout_engine_for(config)

@@ -46,7 +46,7 @@ from tunix_mcjax.runtime.recovery import NonFinitePolicy
 # What a step record repeats from the trainer leader's result.
 TRAIN_FIELDS = ("trained_on", "version", "batch_versions", "trainer_processes", "puts",
                 "publish_bytes", "rows_per_device", "loss", "grad_norm", "kl", "kl_loss",
-                "finite", "trainer_nodes")
+                "finite", "trainer_nodes", *metrics.MISMATCH_FIELDS)
 
 
 def training_steps(cfg: Config, cluster: Cluster, stop: threading.Event | None = None,

@@ -23,7 +23,8 @@ from tunix_mcjax.runtime import evaluation, exchange
 from tunix_mcjax.runtime.records import HostRecord, StepRecord
 
 # Keys of the host record that host 0's global record repeats (its own host's values).
-GLOBAL_FROM_HOST = ("loss", "grad_norm", "kl", "kl_loss", "finite", "nonfinite_steps", "eval")
+GLOBAL_FROM_HOST = ("loss", "grad_norm", "kl", "kl_loss", "finite", "nonfinite_steps", "eval",
+                    *metrics.MISMATCH_FIELDS)
 
 
 class CompileWatch:

@@ -6,7 +6,9 @@ logprobs are scored in sequence chunks (`train_logits_chunk_tokens`), params are
 or stay sharded (`fsdp_gather_params_once`, `memory.gather_params_once`), and
 `train_micro_batch_size` splits the step's rows into micro-batches whose gradients accumulate
 into one update. A non-finite loss or gradient norm leaves params and optimizer state exactly as
-they were (`finite` = 0).
+they were (`finite` = 0). Every step also reports the rollout-trainer mismatch of its logprobs
+before the update, and applies the TIS/MIS corrections when they are on (`loss.Corrections`,
+docs/mismatch.md).
 
 Gathered once, a policy that runs per device (`Policy.per_device`) trains data parallel inside
 `shard_map` with flat collectives (`fsdp_flat`): the step takes the full params it gathered at
@@ -38,10 +40,14 @@ from tunix_mcjax import memory
 from tunix_mcjax.config import Config, warmup_updates
 from tunix_mcjax.train import fsdp_flat, packed_qwen3
 from tunix_mcjax.train.loss import (
+    Corrections,
     chunked_token_logps,
     first_update_off_policy,
     grpo_token_terms,
     loss_weights,
+    mismatch_metrics,
+    mismatch_sum_keys,
+    mismatch_sums,
     step_sums,
     token_logps,
     upper_epsilon,
@@ -141,6 +147,8 @@ def param_bytes_each(params: Any) -> tuple[int, int]:
 
 
 SUM_KEYS = ("loss", "tokens", "kl_loss", "kl_sum")
+# Step sums that combine by max (over micro-batches and devices), not by sum.
+MAX_KEYS = ("mm_abs_max",)
 
 
 class Trainer:
@@ -192,6 +200,10 @@ class Trainer:
         self.ref_params = jax.tree.map(jnp.copy, params) \
             if cfg.grpo_beta and frozen is None else None
         self.micro_batches = memory.num_micro_batches(cfg.batch_size, cfg.train_micro_batch_size)
+        self.corrections = Corrections.of(cfg)
+        # The step's additive sums (loss, mismatch) in a fixed order; then the max ones.
+        self.sum_keys = SUM_KEYS + tuple(k for k in mismatch_sum_keys(self.corrections)
+                                         if k not in MAX_KEYS)
         self.batch_sharding = jax.NamedSharding(mesh, jax.P(None, "fsdp"))
         self._step = jax.jit(self._update, static_argnames=("off_policy",), donate_argnums=(0, 1))
         if self.flat is not None:
@@ -267,8 +279,10 @@ class Trainer:
         per_token = grpo_token_terms(
             logps, batch, ref_logps, beta=cfg.grpo_beta, epsilon=cfg.grpo_epsilon,
             off_policy=off_policy, loss_algo=cfg.loss_algo,
-            epsilon_high=upper_epsilon(cfg.grpo_epsilon, cfg.epsilon_high))
+            epsilon_high=upper_epsilon(cfg.grpo_epsilon, cfg.epsilon_high),
+            corrections=self.corrections)
         sums = step_sums(logps, ref_logps, per_token, batch)
+        sums.update(mismatch_sums(logps, batch, self.corrections))
         return sums["loss"], sums
 
     def _grads(self, params, ref_params, batch, off_policy, *, row_shards: int,
@@ -285,9 +299,12 @@ class Trainer:
             (_, sums), grads = grad_fn(params, ref_params, mb, off_policy, row_shards, frozen)
             if grad_shardings is not None:
                 grads = jax.lax.with_sharding_constraint(grads, grad_shardings)
-            return jax.tree.map(jnp.add, acc, (sums, grads)), None
+            acc_sums, acc_grads = acc
+            sums = {k: (jnp.maximum if k in MAX_KEYS else jnp.add)(acc_sums[k], v)
+                    for k, v in sums.items()}
+            return (sums, jax.tree.map(jnp.add, acc_grads, grads)), None
 
-        zero_sums = {k: jnp.zeros((), jnp.float32) for k in SUM_KEYS}
+        zero_sums = {k: jnp.zeros((), jnp.float32) for k in self.sum_keys + MAX_KEYS}
         zero_grads = jax.tree.map(jnp.zeros_like, params)
         (sums, grads), _ = jax.lax.scan(micro, (zero_sums, zero_grads), batch)
         return sums, grads
@@ -308,7 +325,8 @@ class Trainer:
         opt_state = jax.lax.with_sharding_constraint(opt_state, self.opt_shardings)
         metrics = {"loss": sums["loss"], "grad_norm": grad_norm,
                    "kl": sums["kl_sum"] / jnp.maximum(sums["tokens"], 1.0),
-                   "kl_loss": sums["kl_loss"], "finite": finite.astype(jnp.float32)}
+                   "kl_loss": sums["kl_loss"], "finite": finite.astype(jnp.float32),
+                   **mismatch_metrics(sums, sums["tokens"])}
         return params, opt_state, metrics
 
     def _update(self, params, opt_state, ref_params, batch, off_policy, frozen=None):
@@ -330,8 +348,9 @@ class Trainer:
             sums, grads = self._grads(full, ref_full, batch, off_policy, row_shards=1,
                                       frozen=frozen)
             shards, summed = fsdp_flat.reduce_scatter(
-                self.flat, grads, jnp.stack([sums[k] for k in SUM_KEYS]))
-            return shards, dict(zip(SUM_KEYS, summed, strict=True))
+                self.flat, grads, jnp.stack([sums[k] for k in self.sum_keys]))
+            maxed = {k: jax.lax.pmax(sums[k], self.flat.axis) for k in MAX_KEYS}
+            return shards, dict(zip(self.sum_keys, summed, strict=True)) | maxed
 
         grads, sums = jax.shard_map(
             local_grads, mesh=self.mesh,
@@ -381,7 +400,8 @@ class Trainer:
 
     def step(self, local: dict[str, np.ndarray], off_policy: bool | None = None
              ) -> dict[str, float]:
-        """One update; `loss`, `grad_norm`, `kl` (token mean), `kl_loss`, `finite` (0: skipped).
+        """One update; `loss`, `grad_norm`, `kl` (token mean), `kl_loss`, `finite` (0: skipped),
+        and the rollout-trainer mismatch before it (`mismatch_*`, `loss.mismatch_metrics`).
         `off_policy`: the ratio against `old_logps` (None: as the trainer was built)."""
         off_policy = self.off_policy if off_policy is None else off_policy
         batch = self.global_batch(local)

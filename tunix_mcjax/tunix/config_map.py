@@ -74,6 +74,9 @@ HONOURED: dict[str, str] = {
     "grpo_config.loss_algo": "loss_algo",
     "grpo_config.loss_agg_mode": "loss_agg_mode",
     "grpo_config.num_iterations": "num_iterations (updates per batch; max_steps counts updates)",
+    # Tunix main's TIS (GRPOConfig after 0.1.7): null or "token" (docs/mismatch.md).
+    "grpo_config.sampler_is": "sampler_is (null: none)",
+    "grpo_config.sampler_is_threshold": "sampler_is_threshold",
     # Rollout (sampling on each host's engine).
     "rollout_config.total_generation_steps": "max_target_length - max_prefill_predict_length",
     "rollout_config.max_prompt_length": "max_prefill_predict_length (longer prompts dropped)",
@@ -190,6 +193,16 @@ def _dataclass_defaults(cls: type) -> dict[str, Any]:
     return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
             for f in dataclasses.fields(cls)
             if f.default is not dataclasses.MISSING or f.default_factory is not dataclasses.MISSING}
+
+
+def sampler_is_values(grpo: Mapping[str, Any]) -> dict[str, Any]:
+    """Tunix main's TIS keys, where the config sets them (Tunix's null is our none)."""
+    out = {}
+    if "sampler_is" in grpo:
+        out["sampler_is"] = grpo["sampler_is"] or "none"
+    if grpo.get("sampler_is_threshold") is not None:
+        out["sampler_is_threshold"] = float(grpo["sampler_is_threshold"])
+    return out
 
 
 def classify(config: Mapping[str, Any]) -> tuple[list[str], dict[str, str]]:
@@ -407,6 +420,7 @@ def to_config(config: Mapping[str, Any], model: dict[str, Any], steps: int) -> C
         "grpo_epsilon": float(grpo.get("epsilon", 0.2)),
         "loss_algo": grpo.get("loss_algo", "grpo"),
         "loss_agg_mode": grpo.get("loss_agg_mode", "sequence-mean-token-mean"),
+        **sampler_is_values(grpo),
         "num_test_batches": int(config.get("num_test_batches") or 0),
         "eval_interval": eval_every // iterations,
         "eval_schedule": "tunix",
