@@ -12,7 +12,7 @@ if TYPE_CHECKING:
     from tunix_mcjax.config.keys import Keys
 
 # Keys whose meaning exists only with use_agentic_rollout=true (MaxText passes them only to
-# Tunix's agentic learner).
+# Tunix's agentic learner); off_policy_steps is also rl_runtime=mcjax_da's staleness bound.
 AGENTIC_ONLY = ("off_policy_steps", "use_rollout_logps", "force_on_policy_ratio",
                 "agentic_environment", "system_prompt", "data_template_path", "max_concurrency",
                 "agentic_max_turn_tokens", "agentic_tool_timeout_s")
@@ -28,10 +28,7 @@ def check(cfg: Keys) -> None:
         raise ConfigError("dynamic_sampling_max_rounds bounds dynamic sampling, which is off: "
                           "set dynamic_sampling=true, or drop it")
     if not cfg.use_agentic_rollout:
-        if keys := [k for k in AGENTIC_ONLY if getattr(cfg, k) != defaults[k]]:
-            raise ConfigError(
-                f"{', '.join(keys)} apply to agentic rollouts only (MaxText passes them to "
-                "Tunix's agentic learner alone): set use_agentic_rollout=true, or drop them")
+        _check_non_agentic(cfg, defaults)
         return
     if cfg.force_on_policy_ratio and cfg.num_iterations > 1:
         raise ConfigError(
@@ -48,3 +45,17 @@ def check(cfg: Keys) -> None:
     if cfg.rollout_engine == "vllm":
         raise ConfigError("use_agentic_rollout=true decodes turns on our decode loop: use "
                           "rollout_engine=jax or maxtext")
+
+
+def _check_non_agentic(cfg: Keys, defaults: dict) -> None:
+    """Refuses the agentic keys set without agentic rollouts, but off_policy_steps under
+    rl_runtime=mcjax_da, where it is the staleness k its schedule runs at."""
+    keys = [k for k in AGENTIC_ONLY if getattr(cfg, k) != defaults[k]
+            and not (k == "off_policy_steps" and cfg.rl_runtime == "mcjax_da")]
+    if keys:
+        also = (" and, as the staleness bound k, to rl_runtime=mcjax_da"
+                if "off_policy_steps" in keys else "")
+        raise ConfigError(
+            f"{', '.join(keys)} apply to agentic rollouts only in the colocated runtime "
+            f"(MaxText passes them to Tunix's agentic learner alone){also}: set "
+            "use_agentic_rollout=true, or drop them")

@@ -260,8 +260,11 @@ class Agentic:
         False, "Multi-turn rollouts: the model's turns alternate with tool or environment "
         "observations, which carry no loss.")
     off_policy_steps: int = key(
-        0, "Updates a rollout's weights may lag the trainer's (Tunix's bounded staleness); the "
-        "ratio's old logps are then the engine's (use_rollout_logps).", check=non_negative())
+        1, "Updates a batch's policy may lag the trainer's (Tunix's max_staleness). "
+        "rl_runtime=mcjax_da runs at this bound: k batches in flight, each k updates stale once "
+        "the pipeline is full, its ratio taken against the engine's logprobs (0: on-policy, no "
+        "overlap). Colocated rollouts lag 0, inside any bound; there the key is for agentic "
+        "runs (use_rollout_logps).", check=non_negative())
     use_rollout_logps: bool = key(
         True, "Agentic runs: the ratio's old logps are the engine's logprobs from the first "
         "update on (Tunix's agentic learner); false: the trainer's own at the step's start.")

@@ -3,6 +3,7 @@ to them, each waited on under the collective or compile timeout (`ray_cluster.wa
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import numpy as np
@@ -12,6 +13,18 @@ from tunix_mcjax.config import Config
 from tunix_mcjax.runtime import ray_cluster, reporting
 from tunix_mcjax.runtime.ray_actors import RolloutWorker, TrainerWorker
 from tunix_mcjax.runtime.recovery import Preempted
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A batch the rollouts are making (or made, not yet trained on): its step, {rollout:
+    (batch ref, record ref)}, and the version and weights it is generated with (weights None:
+    restored from a checkpoint, so nothing can lose it)."""
+
+    step: int
+    calls: dict[int, tuple]
+    version: int
+    weights: list | None
 
 
 @dataclasses.dataclass
@@ -27,8 +40,8 @@ class Cluster:
     first_step: int = 0  # 0, or the step after the checkpoint the trainers resumed from
     resume: dict | None = None  # `resumed()`'s answer, once asked
     last_checkpoint: str = ""  # what the trainers last saved, in words
-    # The batch the rollouts are making: (its step, {rollout: refs}, its version and weights).
-    in_flight: tuple[int, dict[int, tuple], int, list] | None = None
+    # The batches in flight, oldest first: at most off_policy_steps of them (one at k = 0).
+    queue: collections.deque[InFlight] = dataclasses.field(default_factory=collections.deque)
 
     @classmethod
     def start(cls, cfg: Config, hosts: int, devices_per_host: int) -> Cluster:
@@ -77,32 +90,39 @@ class Cluster:
         return self.resume
 
     def save(self, step: int, nonfinite_steps: int) -> None:
-        """Every trainer saves the state after update `step` with the batch in flight for step
-        + 1 (waited for: a resume trains on it, as the run would have); sets
-        `last_checkpoint`."""
-        batch, records = [], []
-        if self.in_flight is not None and self.in_flight[0] == step + 1:
-            batch, records = self.collect(*self.in_flight)
+        """Every trainer saves the state after update `step` with the batches in flight for
+        steps step + 1 .. step + k (waited for: a resume trains on them, as the run would
+        have); sets `last_checkpoint`."""
+        kept = [self.collect(b) for b in self.queue if b.step > step]
+        records = [batch_records for _, batch_records in kept]
+        rollouts = [ref for batch_refs, _ in kept for ref in batch_refs]
         self.last_checkpoint = self.wait(
-            {f"trainer-{r}": t.save.remote(step, nonfinite_steps, records, *batch)
+            {f"trainer-{r}": t.save.remote(step, nonfinite_steps, records, *rollouts)
              for r, t in enumerate(self.trainers)},
             f"checkpoint step {step}", compiles=False)["trainer-0"]
 
-    def restored_batch(self) -> dict[int, tuple] | None:
-        """The batch in flight for the first step when the resumed checkpoint was saved, as
-        `generate`'s refs; None when there is none (a fresh run, a colocated checkpoint) or it
-        was made by another number of rollout hosts."""
-        saved = self.resumed()["in_flight"]
-        if saved is None:
-            return None
-        rollouts, records = saved
-        if len(rollouts) != len(self.rollouts):
-            print(f"mcjax_da: the checkpoint's batch for step {self.first_step} was made by "
-                  f"{len(rollouts)} rollout hosts, this run has {len(self.rollouts)}; "
-                  "regenerating it with the restored policy", flush=True)
-            return None
-        return {r: (ray.put(batch), ray.put(record))
-                for r, (batch, record) in enumerate(zip(rollouts, records, strict=True))}
+    def restore_queue(self) -> None:
+        """Queues the batches in flight when the resumed checkpoint was saved (for the steps
+        from `first_step` on; at most off_policy_steps of them); none when there are none (a
+        fresh run, a colocated checkpoint) or they were made by another number of rollout
+        hosts."""
+        saved = self.resumed()["in_flight"] or []
+        if saved and len(saved[0][0]) != len(self.rollouts):
+            print(f"mcjax_da: the checkpoint's batches from step {self.first_step} were made by "
+                  f"{len(saved[0][0])} rollout hosts, this run has {len(self.rollouts)}; "
+                  "regenerating them with the restored policy", flush=True)
+            saved = []
+        k = self.cfg.off_policy_steps
+        if len(saved) > k:
+            print(f"mcjax_da: the checkpoint kept {len(saved)} batches in flight, "
+                  f"off_policy_steps={k} allows {k}; regenerating the later ones with the "
+                  "restored policy", flush=True)
+        for i, (rollouts, records) in enumerate(saved[:k]):
+            self.queue.append(InFlight(
+                self.first_step + i,
+                {r: (ray.put(batch), ray.put(record))
+                 for r, (batch, record) in enumerate(zip(rollouts, records, strict=True))},
+                rollouts[0].policy_version, None))
 
     def close_checkpoints(self) -> None:
         if self.cfg.enable_checkpointing:
@@ -137,39 +157,60 @@ class Cluster:
 
     def generate(self, step: int, version: int, weights: list, only: int | None = None
                  ) -> dict[int, tuple]:
-        """{rollout: (batch ref, record ref)} of step `step` with policy `version`; the whole
-        batch (`only` None) is the one in flight."""
-        calls = {r: a.generate.options(num_returns=2).remote(step, version, weights)
-                 for r, a in enumerate(self.rollouts) if only in (None, r)}
-        if only is None:
-            self.in_flight = (step, calls, version, weights)
-        return calls
+        """{rollout: (batch ref, record ref)} of step `step` with policy `version`, from every
+        rollout actor (`only` None) or one."""
+        return {r: a.generate.options(num_returns=2).remote(step, version, weights)
+                for r, a in enumerate(self.rollouts) if only in (None, r)}
 
-    def collect(self, step: int, pending: dict[int, tuple], version: int, weights: list
-                ) -> tuple[list, list[dict]]:
-        """(batch refs, records) of step `step`; a dead rollout actor is replaced while restarts
-        last, and its batch regenerated with the same version and seed."""
-        compiles = step <= self.first_step + 1
+    def enqueue(self, step: int, version: int, weights: list) -> None:
+        """Puts batch `step`, generated with `version`, in flight."""
+        self.queue.append(InFlight(step, self.generate(step, version, weights), version,
+                                   weights))
+
+    def next_batch(self, step: int) -> tuple[list, list[dict]]:
+        """(batch refs, records) of step `step`, the oldest batch in flight, taken off the
+        queue."""
+        batch = self.queue.popleft()
+        if batch.step != step:
+            raise RuntimeError(f"mcjax_da: step {step} found batch {batch.step} first in flight")
+        return self.collect(batch)
+
+    def collect(self, batch: InFlight) -> tuple[list, list[dict]]:
+        """(batch refs, records) of `batch`; a dead rollout actor is replaced while restarts
+        last, and its share of every batch in flight regenerated with that batch's version and
+        seed."""
+        compiles = batch.step <= self.first_step + max(self.cfg.off_policy_steps, 1)
         while True:
             try:
-                records = self.wait({f"rollout-{r}": refs[1] for r, refs in pending.items()},
-                                    f"generate step {step}", compiles=compiles)
-                return [pending[r][0] for r in sorted(pending)], [
-                    records[f"rollout-{r}"] for r in sorted(pending)]
+                records = self.wait({f"rollout-{r}": refs[1] for r, refs in batch.calls.items()},
+                                    f"generate step {batch.step}", compiles=compiles)
+                return [batch.calls[r][0] for r in sorted(batch.calls)], [
+                    records[f"rollout-{r}"] for r in sorted(batch.calls)]
             except ray_cluster.ActorFailed as e:
-                index = int(e.name.removeprefix("rollout-")) if e.name.startswith(
-                    "rollout-") and "," not in e.name else None
-                if not e.died or index is None or \
-                        self.restarts[index] >= self.cfg.rl_rollout_restarts:
-                    raise
-                self.restarts[index] += 1
-                print(f"mcjax_da: {e}; restarting it ({self.restarts[index]} of "
-                      f"rl_rollout_restarts={self.cfg.rl_rollout_restarts}) to regenerate step "
-                      f"{step}", flush=True)
-                ray_cluster.kill([self.rollouts[index]])
-                self.rollouts[index] = self._rollout(index, len(self.rollouts))
-                pending.update(self.generate(step, version, weights, only=index))
+                self._restart(e, batch)
                 compiles = True  # the new actor builds and compiles its engine first
+
+    def _restart(self, failure: ray_cluster.ActorFailed, batch: InFlight) -> None:
+        """Replaces the dead rollout actor `failure` names and reissues its share of `batch`
+        and of every later batch in flight, in step order, each with its own version; re-raises
+        `failure` when it is not a rollout actor's death or that actor's restarts are spent."""
+        name = failure.name
+        index = int(name.removeprefix("rollout-")) if name.startswith(
+            "rollout-") and "," not in name else None
+        if not failure.died or index is None or \
+                self.restarts[index] >= self.cfg.rl_rollout_restarts:
+            raise failure
+        self.restarts[index] += 1
+        later = [b for b in self.queue if b.step > batch.step]
+        print(f"mcjax_da: {failure}; restarting it ({self.restarts[index]} of "
+              f"rl_rollout_restarts={self.cfg.rl_rollout_restarts}) to regenerate step "
+              f"{batch.step} and the {len(later)} later batches in flight", flush=True)
+        ray_cluster.kill([self.rollouts[index]])
+        self.rollouts[index] = self._rollout(index, len(self.rollouts))
+        for lost in [batch, *later]:
+            if lost.weights is not None:  # a restored batch is the driver's own object
+                lost.calls.update(self.generate(lost.step, lost.version, lost.weights,
+                                                only=index))
 
     def eval_sums(self, policy: tuple[int, list], steps_done: int, compiles: bool
                   ) -> np.ndarray:

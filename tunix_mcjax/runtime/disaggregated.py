@@ -1,28 +1,31 @@
-"""LoCoJAX-DA: trainer hosts and rollout hosts apart, on Ray, one step stale (paper §2, §4.4).
+"""LoCoJAX-DA: trainer hosts and rollout hosts apart, on Ray, up to k steps stale (paper §2,
+§4.4; k = off_policy_steps, 1 by default, the paper's).
 
 The driver (this process; `python -m tunix_mcjax.launch ... rl_runtime=mcjax_da`) joins a Ray
 cluster (rl_ray_address or RAY_ADDRESS; else it starts a local one), places one actor per host
 (`ray_cluster.Placement`), H x rl_trainer_hosts_fraction trainer actors (one jax.distributed
 group, the colocated mode's FSDP train step) and the rest as rollout actors (one engine each).
-Schedule:
+Schedule, with k batches in flight:
 
-    publish v0; rollout batch 0 with v0
-    step t: trainers apply batch t to v_t (-> v_t+1, published)  ||  rollouts make batch t+1
-            with v_t, the last published version
+    publish v0; rollouts make batches 0 .. k-1 with v0
+    step t: trainers apply batch t to v_t (-> v_t+1, published)  ||  rollouts make batch t+k
+            with v_t, the last published version (queued behind the batches in flight)
 
-so batch t+1 is generated with v_t and applied to v_t+1: staleness is exactly one step from
-step 1 on (batch 0, the pipeline fill, is on-policy). Each batch carries its version and the
-trainer weights it by the engine's behaviour logprobs (off-policy loss). The step period is
-Eq. 4's max(rollout + weight load, train + publish). Evaluation keeps the colocated schedule
-(`evaluation.EvalSchedule`): the rollout actors score their shares with the last published
-version, after the batch they are generating, and the driver sums them.
+so batch t is generated with v_max(t-k, 0) and applied to v_t: staleness is exactly k from
+step k on (batches 0 .. k-1, the pipeline fill, are 0 .. k-1 stale). k = 1 is the paper's
+schedule; k = 0 is on-policy, with no overlap: batch t is generated with v_t once update t-1 is
+published. Each batch carries its version and the trainer weights it by the engine's behaviour
+logprobs (off-policy loss), whatever the lag. The step period is Eq. 4's max(rollout + weight
+load, train + publish). Evaluation keeps the colocated schedule (`evaluation.EvalSchedule`):
+the rollout actors score their shares with the last published version, after the batches they
+are generating, and the driver sums them.
 
 Faults: a dead trainer actor ends the run at once, named; a dead rollout actor too, unless
-`rl_rollout_restarts` allows a new one, which regenerates the lost batch with the same version
-and seed. A step's update is recorded only once every trainer finished it. A skipped
-(non-finite) update publishes nothing: the version and its object stay the last applied one.
-A checkpoint keeps the batch in flight, so a resumed run trains on what the stopped one would
-have: its records equal an uninterrupted run's.
+`rl_rollout_restarts` allows a new one, which regenerates its share of every batch in flight,
+each with its own version and seed. A step's update is recorded only once every trainer
+finished it. A skipped (non-finite) update publishes nothing: the version and its object stay
+the last applied one. A checkpoint keeps the batches in flight, so a resumed run trains on what
+the stopped one would have: its records equal an uninterrupted run's.
 """
 
 from __future__ import annotations
@@ -67,25 +70,30 @@ def training_steps(cfg: Config, cluster: Cluster, stop: threading.Event | None =
 
 def schedule(cfg: Config, cluster: Cluster, nonfinite: NonFinitePolicy
              ) -> Iterator[StepRecord]:
-    """The one-step-stale schedule from the trainers' resume step: each step's global record
-    once every trainer applied it, with the evaluations due after it."""
+    """The k-stale schedule (k = off_policy_steps) from the trainers' resume step: each step's
+    global record once every trainer applied it, with the evaluations due after it."""
+    k = cfg.off_policy_steps
     published = cluster.publish_first()
     version, weights = published["version"], published["weights"]  # the last published
-    behaviour = (version, weights)  # the version the pending batch is generated with
     # The colocated schedule; the rollout actors evaluate the last published policy.
     evals = evaluation.EvalSchedule(
         cfg, evaluation.TaskEvaluator.mode if cfg.num_test_batches > 0 else None,
         cluster.eval_sums)
-    evals.before_training(behaviour, cluster.first_step)
-    # A resumed run trains first on the batch its checkpoint kept, as the stopped run would have.
-    pending = cluster.restored_batch() or cluster.generate(cluster.first_step, *behaviour)
+    evals.before_training((version, weights), cluster.first_step)
+    # A resumed run trains first on the batches its checkpoint kept, as the stopped run would
+    # have; the pipeline fill (up to k batches) is generated with the first published version.
+    cluster.restore_queue()
+    for step in range(cluster.first_step + len(cluster.queue),
+                      min(cluster.first_step + k, cfg.steps)):
+        cluster.enqueue(step, version, weights)
     for step in range(cluster.first_step, cfg.steps):
         start = time.perf_counter()
-        batches, rollouts = cluster.collect(step, pending, *behaviour)
+        if k == 0:  # on-policy: batch t is generated with v_t, after update t - 1
+            cluster.enqueue(step, version, weights)
+        batches, rollouts = cluster.next_batch(step)
         training = cluster.train(step, batches)  # update t: v_t -> v_t+1 ...
-        if step + 1 < cfg.steps:  # ... while the rollouts generate batch t+1 with v_t
-            behaviour = (version, weights)
-            pending = cluster.generate(step + 1, *behaviour)
+        if 0 < k and step + k < cfg.steps:  # ... while the rollouts make batch t+k with v_t
+            cluster.enqueue(step + k, version, weights)
         train = cluster.finish_train(step, training)
         nonfinite.applied(step, train, cluster.last_checkpoint)
         version, weights = train["version"], train["weights"]

@@ -52,7 +52,8 @@ def host_copy(tree: Any) -> Any:
 
 
 class RolloutWorker:
-    """One rollout host: the rollout phases on its own engine, one step stale."""
+    """One rollout host: the rollout phases on its own engine, up to off_policy_steps stale;
+    its calls run in the order the driver queued them."""
 
     def __init__(self, cfg: Config, index: int, num_rollouts: int):
         self.cfg, self.index = cfg, index
@@ -118,18 +119,23 @@ class RolloutWorker:
             self.engine, evaluation.eval_seed(self.cfg.seed, steps_done, self.index))
 
 
-# A placeholder for the batch in flight at restore: numpy entries restore at their saved shape.
+# A placeholder for the batches in flight at restore: numpy entries restore at their saved shape.
 NO_BATCH = np.zeros(1, np.uint8)
 
-
-def encode_batch(rollouts: list[Rollout], records: list[dict]) -> np.ndarray:
-    """The batch in flight (every rollout actor's `Rollout` and host record, in actor order) as
-    the bytes a checkpoint keeps."""
-    return np.frombuffer(pickle.dumps((rollouts, records), protocol=5), np.uint8)
+# One batch in flight: every rollout actor's `Rollout` and host record, in actor order.
+Batch = tuple[list[Rollout], list[dict]]
 
 
-def decode_batch(saved: np.ndarray) -> tuple[list[Rollout], list[dict]]:
-    return pickle.loads(saved.tobytes())
+def encode_batches(batches: list[Batch]) -> np.ndarray:
+    """The batches in flight, oldest first, as the bytes a checkpoint keeps."""
+    return np.frombuffer(pickle.dumps(batches, protocol=5), np.uint8)
+
+
+def decode_batches(saved: np.ndarray) -> list[Batch]:
+    """`encode_batches`'s list; a checkpoint of the one-batch format (a bare `Batch`) as a list
+    of it."""
+    batches = pickle.loads(saved.tobytes())
+    return [batches] if isinstance(batches, tuple) else batches
 
 
 class TrainerWorker:
@@ -155,7 +161,7 @@ class TrainerWorker:
         self.nonfinite = recovery.NonFinitePolicy(cfg.max_nonfinite_steps)
         self.start_step, kept = recovery.restore(self.state, self.trainer, self.history,
                                                  self.nonfinite, in_flight=NO_BATCH)
-        self.in_flight = decode_batch(kept["in_flight"]) if "in_flight" in kept else None
+        self.in_flight = decode_batches(kept["in_flight"]) if "in_flight" in kept else None
         self.version, self.puts = self.start_step - self.nonfinite.count, 0
         self.base: ray.ObjectRef | None = None  # the first publish, held while the run lasts
         self.published: dict | None = None  # the last publish, what a skipped update repeats
@@ -165,17 +171,22 @@ class TrainerWorker:
 
     def resumed(self) -> dict:
         """Where the run starts: {"start_step", "nonfinite_steps", "checkpoint", "in_flight":
-        the batch saved for the start step, (rollouts, records), or None}."""
+        the batches saved for the start step and the next ones, [(rollouts, records)], or
+        None}."""
         return {"start_step": self.start_step, "nonfinite_steps": self.nonfinite.count,
                 "checkpoint": self.state.describe_last(), "in_flight": self.in_flight}
 
-    def save(self, step: int, nonfinite_steps: int, records: list[dict],
+    def save(self, step: int, nonfinite_steps: int, records: list[list[dict]],
              *rollouts: Rollout) -> str:
-        """Saves the state after update `step` (every trainer joins) with the batch in flight
-        for step + 1 (`rollouts` and their `records`; none after the last step); what was last
+        """Saves the state after update `step` (every trainer joins) with the batches in flight
+        for steps step + 1 on: `records[i]` are batch i's host records and `rollouts` every
+        batch's rollouts in turn, as many each (none after the last step); what was last
         saved."""
         self.nonfinite.count = nonfinite_steps
-        extra = {"in_flight": encode_batch(list(rollouts), records)} if rollouts else {}
+        per = len(rollouts) // max(len(records), 1)
+        batches = [(list(rollouts[i * per:(i + 1) * per]), batch_records)
+                   for i, batch_records in enumerate(records)]
+        extra = {"in_flight": encode_batches(batches)} if batches else {}
         self.state.save(step, lambda: recovery.train_state(self.trainer, self.history,
                                                            self.nonfinite, **extra))
         return self.state.describe_last()
