@@ -33,6 +33,11 @@ def check(cfg: Keys) -> None:
                 f"{', '.join(keys)} apply to agentic rollouts only (MaxText passes them to "
                 "Tunix's agentic learner alone): set use_agentic_rollout=true, or drop them")
         return
+    if not cfg.agentic_environment:
+        raise ConfigError(
+            "use_agentic_rollout=true needs agentic_environment=package.module:function, the "
+            "builder of each trajectory's agent and environment (the tool demo's: "
+            "tunix_mcjax.agentic.demo:lookup_conversation)")
     if cfg.force_on_policy_ratio and cfg.num_iterations > 1:
         raise ConfigError(
             f"force_on_policy_ratio=true pins the ratio to 1, which holds for one update per "
