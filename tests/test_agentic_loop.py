@@ -14,11 +14,12 @@ from tunix.rl.agentic.environments.tool_environment import ToolEnvironment
 from tunix.rl.agentic.tools import base_tool
 from tunix.rl.agentic.tools.calculator_tool import CalculatorTool
 
+from tests.mp import REPO
 from tunix_mcjax.agentic import rollout
 from tunix_mcjax.agentic.conversation import Conversation
 from tunix_mcjax.agentic.loop import TurnLimits, run_turns
 from tunix_mcjax.agentic.parsers import PLAIN, ChatParser, load_chat_template
-from tunix_mcjax.config import ConfigError
+from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.engine import Completion, Engine, SamplingParams
 from tunix_mcjax.tokenizer import char_tokenizer
 from tunix_mcjax.train import packing
@@ -188,3 +189,13 @@ def test_chat_template_file_is_checked(tmp_path):
     good.write_text(json.dumps({**PLAIN, "generation": "A:"}))
     assert ChatParser(TOK, load_chat_template(str(good))).render(
         [{"role": "user", "content": "hi"}], generation=True) == "hi\nA:"
+
+
+def test_an_agentic_run_names_its_environment():
+    """No demo module is the default: an agentic run without agentic_environment is refused,
+    naming the key; the demo recipe names the demo's."""
+    recipe = REPO / "recipes/cpu/demo_agentic.yml"
+    assert load_config(recipe, []).agentic_environment == \
+        "tunix_mcjax.agentic.demo:lookup_conversation"
+    with pytest.raises(ConfigError, match="needs agentic_environment=package.module:function"):
+        load_config(recipe, ["agentic_environment="])

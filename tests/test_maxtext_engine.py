@@ -6,6 +6,7 @@ step, and its logprobs are that forward's log-softmax of the sampled token."""
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import re
@@ -220,9 +221,11 @@ def test_moe_up_kernels_reach_the_dot_without_a_copy(world):
     assert [p[-1] for p in moved] == ["wi_0", "wi_1"] * world.config.num_decoder_layers
     experts, embed, mlp = engine._leaf_specs[moved[0]].shape
     assert engine._params[0][moved[0]].shape == (embed, experts, mlp)
-    kernel_shapes = {f"[{embed},{experts * mlp}]", f"[{embed},{experts},{mlp}]",
-                     f"[{experts},{embed},{mlp}]"}
+    stored, operand = f"[{embed},{experts},{mlp}]", f"[{embed},{experts * mlp}]"
+    kernel_shapes = {operand, stored, f"[{experts},{embed},{mlp}]"}
+    assert engine._programs
     for program in engine._programs.values():
+        ops = collections.Counter()
         for line in program.as_text().splitlines():
             made = re.search(r"%(\S+) = \w+(\[[\d,]+\])\S* ([\w-]+)\(", line)
             if made and made[2] in kernel_shapes:
@@ -230,6 +233,11 @@ def test_moe_up_kernels_reach_the_dot_without_a_copy(world):
                 moves = op in ("copy", "transpose") or (
                     op == "fusion" and ("copy" in name or "transpose" in name))
                 assert not moves, line
+                ops[made[2], op] += 1
+        # Every up-kernel enters in its stored layout and reaches its dot as a bitcast: the
+        # scan above saw each of them (a format it cannot read finds none and fails here).
+        assert ops[stored, "parameter"] == len(moved), ops
+        assert ops[operand, "bitcast"] >= len(moved), ops
     trainer = policy.maxtext_tree(world.params)["decoder"]
     served = engine.weights()["decoder"]
     for layer in range(world.config.num_decoder_layers):

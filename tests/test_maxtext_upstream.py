@@ -42,6 +42,19 @@ def tensorboard_tags(directory) -> set[str]:
     return tags
 
 
+def unformatted_reward(name: str) -> float:
+    """MaxText's reward functions (the script's config) summed on a completion without its
+    reasoning and answer tags."""
+    from tunix_mcjax.maxtext import checked_config, data
+
+    _, args = recipes.cpu_command(name)
+    train_rl = recipes.script_path(name).parents[1] / "train_rl.py"
+    config, _, _ = checked_config([str(train_rl), *args], {}, num_hosts=2)
+    return sum(float(fn(prompts=["What is 2 + 3?"], completions=["so it goes on"],
+                        answer=[json.dumps(["5"])], question="What is 2 + 3?")[0])
+               for fn in data.reward_fns(config))
+
+
 def recipe_params():
     for name in recipes.UPSTREAM:
         marks = [] if name == "run_qwen3_30b_rl" else [pytest.mark.slow]
@@ -110,10 +123,18 @@ def test_upstream_recipe_runs_on_two_cpu_hosts(name, tmp_path):
     assert all(np.isfinite(s["loss"]) for s in steps)
     # MaxText's schedule: before training (on the first step's record) and after the last.
     assert set(steps[0]["eval"]) == {"pre"} and set(steps[-1]["eval"]) == {"post"}
-    for result in (steps[0]["eval"]["pre"], steps[-1]["eval"]["post"]):
-        assert result["total"] == 2 and 0 <= result["accuracy"] <= 100
+    # The reference: the tiny random-init model never writes MaxText's answer format, so every
+    # sample scores as an unformatted one: no accuracy of any kind, and the mean reward is
+    # MaxText's own reward stack on an unformatted answer.
+    unformatted = unformatted_reward(name)
+    results = [steps[0]["eval"]["pre"], steps[-1]["eval"]["post"]]
+    for result in results:
+        assert result["total"] == 2 and result["corr"] == 0
+        assert result["accuracy"] == result["partial_accuracy"] == result["format_accuracy"] == 0
+        assert result["mean_reward"] == pytest.approx(unformatted, abs=1e-6), unformatted
     summary = json.loads((run_dir / "summary.json").read_text())
     assert [e["when"] for e in summary["eval"]] == ["pre", "post"]
+    assert [{k: e[k] for k in results[0]} for e in summary["eval"]] == results
     for host in (0, 1):
         facts = json.loads((run_dir / f"maxtext_adapter_host{host}.json").read_text())
         assert facts["modules_imported"] == {"vllm": False, "tpu_inference": False}

@@ -23,7 +23,7 @@ from tunix_mcjax.config import load_config
 from tunix_mcjax.engine.base import SamplingParams
 from tunix_mcjax.engine.jax_engine import JaxEngine
 from tunix_mcjax.engine.stops import generation_config_eos_ids, model_stop_ids
-from tunix_mcjax.maxtext.data import resolve_tokenizer_path
+from tunix_mcjax.tokenizer import resolve_tokenizer_path
 from tunix_mcjax.train import packing
 from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 

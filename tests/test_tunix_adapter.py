@@ -17,7 +17,7 @@ import pytest
 
 from tests.mp import REPO, read_jsonl
 from tunix_mcjax import admission
-from tunix_mcjax.config import ConfigError
+from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.tunix import config_map, make_checkpoint
 
 CPU_RECIPE = REPO / "recipes/tunix/cpu/run_qwen3.sh"
@@ -264,7 +264,6 @@ def test_steps_admit_tunix_batches_and_prompts_encode_as_tunix_sampler(cpu_argv,
 
 def test_eval_schedule_tunix_evaluates_at_multiples_but_not_after_the_last():
     from tunix_mcjax import topology
-    from tunix_mcjax.config import load_config
     from tunix_mcjax.runtime.evaluation import SUM_FIELDS, EvalSchedule
 
     class Counting:
@@ -342,3 +341,69 @@ def test_launch_runs_grpo_main_with_rl_runtime_mcjax(monkeypatch):
     assert launch.main(["--hosts", "2", "base.yaml", "batch_size=2"]) == 0
     assert calls == [(("base.yaml", ["batch_size=2", "rl_runtime=mcjax"], 2, 1),
                       {"module": "tunix.cli.grpo_main"})]
+
+
+class ScriptedEngine:
+    """Answers the k-th request of a prompt with `answers[prompt text][k]` (then EOS)."""
+
+    def __init__(self, tokenizer, answers: dict[str, list[str]]):
+        self.tokenizer, self.answers = tokenizer, answers
+
+    def generate(self, prompts, sampling, seed):
+        from collections import Counter
+
+        from tunix_mcjax.engine import Completion
+
+        seen, out = Counter(), []
+        for ids in prompts:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            answer = self.answers[text][seen[text]]
+            seen[text] += 1
+            tokens = np.array([*self.tokenizer.encode(answer, add_special_tokens=False),
+                               self.tokenizer.eos_token_id], np.int32)
+            out.append(Completion(tokens, np.zeros(len(tokens), np.float32), "stop"))
+        return out
+
+
+def test_both_evaluators_sum_pass_at_1_over_their_share():
+    """The built-in task's and the Tunix CLI's evaluators share one `local_sums`: each prompt
+    sampled num_generations times, corr the mean accuracy of its samples, partially_corr any
+    right, formatted their own way, this host's share only. Sums against hand-computed ones."""
+    from tunix_mcjax.runtime.evaluation import SUM_FIELDS, TaskEvaluator
+    from tunix_mcjax.tasks import Task, next_digit_correct
+    from tunix_mcjax.tokenizer import char_tokenizer
+    from tunix_mcjax.tunix.data import TunixEvaluator
+
+    tok, cfg = char_tokenizer(), load_config(None, {"num_generations": 2})
+    task = Task("t", ["1=", "2=", "3="], {"answer": ["2", "3", "4"]}, (next_digit_correct,),
+                next_digit_correct)
+    engine = ScriptedEngine(tok, {"1=": ["2", "5"], "2=": ["3", "3"], "3=": ["0", "0"]})
+
+    def sums(evaluator):
+        return dict(zip(SUM_FIELDS, evaluator.local_sums(engine, seed=0).tolist(), strict=True))
+
+    # corr 1/2 + 1 + 0; rewards (next_digit_correct) 1, 0, 1, 1, 0, 0; formatted: reward > 0.
+    assert sums(TaskEvaluator(cfg, tok, task, 0, 1)) == dict(
+        corr=1.5, partially_corr=2, corr_format=1.5, total=3, reward_sum=3, reward_count=6)
+    assert sums(TaskEvaluator(cfg, tok, task, 1, 2)) == dict(  # host 1 of 2: prompt "2=" only
+        corr=1, partially_corr=1, corr_format=1, total=1, reward_sum=2, reward_count=2)
+
+    rows = [{"prompts": "a", "answer": 7}, {"prompts": "b", "answer": 8}]
+    engine.answers = {"a": ["<answer>7</answer>", "<answer>1</answer>"], "b": ["8", "x"]}
+    evaluator = TunixEvaluator(rows, [lambda prompts, completions, **_: [len(c) for c in
+                                                                         completions]],
+                               tok, cfg, 0, 1)
+    # answer_correct needs the <answer> tags: a's first sample only; formatted: a's two.
+    assert sums(evaluator) == dict(corr=0.5, partially_corr=1, corr_format=1, total=2,
+                                   reward_sum=18 + 18 + 1 + 1, reward_count=4)
+
+
+def test_global_result_is_maxtexts_percentages_of_every_hosts_sums():
+    from tunix_mcjax.runtime.evaluation import global_result
+
+    # SUM_FIELDS per host: corr, partially_corr, corr_format, total, reward_sum, reward_count.
+    per_host = np.array([[1.5, 2, 1, 3, 3.0, 6], [0.5, 1, 2, 1, -1.0, 2]])
+    assert global_result(per_host) == {
+        "corr": 2.0, "total": 4, "accuracy": 50.0, "partial_accuracy": 75.0,
+        "format_accuracy": 75.0, "mean_reward": 0.25}
+    assert global_result(np.zeros((2, 6)))["accuracy"] == 0.0  # no prompts: no division

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import string
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -31,13 +32,26 @@ def unknown_characters(tokenizer, text: str) -> str:
     return "".join(sorted({c for c in text if c not in vocab}))
 
 
+def resolve_tokenizer_path(path: str) -> str:
+    """`path` as given, or the tokenizer of that name shipped in MaxText's wheel.
+
+    MaxText looks names such as `qwen3-tokenizer` up under MAXTEXT_ASSETS_ROOT, which points
+    outside the package in a wheel install; this looks in the package's own `assets/tokenizers`.
+    """
+    if os.path.exists(path):
+        return path
+    import maxtext
+
+    shipped = os.path.join(os.path.dirname(maxtext.__file__), "assets", "tokenizers",
+                           os.path.basename(path))
+    return shipped if os.path.isdir(shipped) else path
+
+
 def load_tokenizer(tokenizer_type: str, tokenizer_path: str = ""):
     """`tokenizer_path` is a local HF tokenizer dir, or the name of one shipped in MaxText's wheel
     (`qwen3-tokenizer`), as MaxText's own `tokenizer_path` takes it."""
     if tokenizer_type == "char":
         return char_tokenizer()
-    from tunix_mcjax.maxtext.data import resolve_tokenizer_path
-
     try:
         return AutoTokenizer.from_pretrained(resolve_tokenizer_path(tokenizer_path))
     except (OSError, ValueError) as e:

@@ -19,11 +19,12 @@ def body(argv: list[str], topo: topology.Topology) -> None:
         write_facts,
     )
     from tunix_mcjax.runtime.colocated import ColocatedRuntime
+    from tunix_mcjax.tokenizer import resolve_tokenizer_path
 
     config, _ = load_maxtext_config(argv, {})
     config_map.check_model(config)
     cfg = config_map.to_config(config, topo.num_hosts,
-                               data.resolve_tokenizer_path(config.tokenizer_path))
+                               resolve_tokenizer_path(config.tokenizer_path))
     ColocatedRuntime(cfg, topo, components=lambda: build_components(
         config, data.load_tokenizer(config), topo)).run()
     write_facts(cfg, topo, {})

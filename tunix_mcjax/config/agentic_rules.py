@@ -30,6 +30,11 @@ def check(cfg: Keys) -> None:
     if not cfg.use_agentic_rollout:
         _check_non_agentic(cfg, defaults)
         return
+    if not cfg.agentic_environment:
+        raise ConfigError(
+            "use_agentic_rollout=true needs agentic_environment=package.module:function, the "
+            "builder of each trajectory's agent and environment (the tool demo's: "
+            "tunix_mcjax.agentic.demo:lookup_conversation)")
     if cfg.force_on_policy_ratio and cfg.num_iterations > 1:
         raise ConfigError(
             f"force_on_policy_ratio=true pins the ratio to 1, which holds for one update per "

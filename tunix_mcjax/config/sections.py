@@ -272,9 +272,9 @@ class Agentic:
         False, "Agentic runs: old logps = stop_gradient(current), the ratio exactly 1 "
         "(num_iterations=1 only).")
     agentic_environment: str = key(
-        "tunix_mcjax.agentic.demo:lookup_conversation",
-        "package.module:function building one trajectory's Tunix agent and environment, "
-        "called as fn(prompt, fields, seed=, system_prompt=) -> (agent, env).")
+        "", "package.module:function building one trajectory's Tunix agent and environment, "
+        "called as fn(prompt, fields, seed=, system_prompt=) -> (agent, env); required with "
+        "use_agentic_rollout=true (the MaxText adapter sets its task's).")
     system_prompt: str = key("", "The agent's system prompt (MaxText's rl.system_prompt).")
     data_template_path: str = key(
         "", "JSON chat template of the conversation: role formats for system, user, "

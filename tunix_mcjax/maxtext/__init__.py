@@ -89,7 +89,8 @@ def checked_config(argv: Sequence[str], kwargs: dict,
                    num_hosts: int) -> tuple[Any, Config, dict[str, Any]]:
     """(MaxText's config, our Config, the changed settings that do not apply here). Raises
     ConfigError naming every setting this runtime cannot honour, before anything is built."""
-    from tunix_mcjax.maxtext import config_map, data
+    from tunix_mcjax.maxtext import config_map
+    from tunix_mcjax.tokenizer import resolve_tokenizer_path
 
     config_map.refuse_lora(argv, kwargs)
     argv, kwargs, engine = config_map.pop_rollout_engine(argv, kwargs)
@@ -101,7 +102,7 @@ def checked_config(argv: Sequence[str], kwargs: dict,
     not_applied = config_map.check_keys(changed, engine)
     config_map.check_agentic(changed, agentic)
     config_map.check_model(config, engine)
-    tokenizer_path = data.resolve_tokenizer_path(config.tokenizer_path)
+    tokenizer_path = resolve_tokenizer_path(config.tokenizer_path)
     return config, config_map.to_config(config, num_hosts, tokenizer_path, changed,
                                         engine, agentic, corrections), not_applied
 

@@ -12,30 +12,15 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 from typing import Any
 
 import numpy as np
 
 from tunix_mcjax.config import ConfigError
 from tunix_mcjax.tasks import Task
+from tunix_mcjax.tokenizer import resolve_tokenizer_path
 
 ROW_FIELDS = ("question", "answer")  # per-prompt columns MaxText's reward functions read
-
-
-def resolve_tokenizer_path(path: str) -> str:
-    """`path` as given, or the tokenizer of that name shipped in MaxText's wheel.
-
-    MaxText looks names such as `qwen3-tokenizer` up under MAXTEXT_ASSETS_ROOT, which points
-    outside the package in a wheel install; this looks in the package's own `assets/tokenizers`.
-    """
-    if os.path.exists(path):
-        return path
-    import maxtext
-
-    shipped = os.path.join(os.path.dirname(maxtext.__file__), "assets", "tokenizers",
-                           os.path.basename(path))
-    return shipped if os.path.isdir(shipped) else path
 
 
 def load_tokenizer(config: Any) -> Any:

@@ -10,6 +10,7 @@ import jax
 
 from tunix_mcjax import models, topology
 from tunix_mcjax.config import Config
+from tunix_mcjax.runtime.agentic_rollouts import AgenticRollouts
 from tunix_mcjax.runtime.evaluation import task_evaluator
 from tunix_mcjax.runtime.phases import Prompts, RolloutPhases
 from tunix_mcjax.tasks import Task, load_task
@@ -65,12 +66,14 @@ def build(cfg: Config, topo: topology.Topology,
     return components, prompts
 
 
+# `use_agentic_rollout` -> the rollout phases' class (one template: `RolloutPhases.rollout`).
+ROLLOUTS: dict[bool, type[RolloutPhases]] = {False: RolloutPhases, True: AgenticRollouts}
+
+
 def rollout_phases(cfg: Config, prompts: Prompts, engine: Any, topo: topology.Topology,
                    chat_parser: Any = None) -> RolloutPhases:
-    """This host's rollout phases on its engine: multi-turn (use_agentic_rollout) or one turn."""
-    if cfg.use_agentic_rollout:
-        from tunix_mcjax.agentic.phases import AgenticRollouts
-
-        return AgenticRollouts(cfg, prompts, engine, topo.num_hosts, topo.host,
-                               parser=chat_parser)
-    return RolloutPhases(cfg, prompts, engine, topo.num_hosts, topo.host)
+    """This host's rollout phases on its engine: multi-turn (use_agentic_rollout, rendered by
+    `chat_parser`, None: the config's template) or one turn."""
+    extra = {"parser": chat_parser} if cfg.use_agentic_rollout else {}
+    return ROLLOUTS[cfg.use_agentic_rollout](cfg, prompts, engine, topo.num_hosts, topo.host,
+                                            **extra)

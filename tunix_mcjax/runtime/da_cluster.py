@@ -77,7 +77,7 @@ class Cluster:
     def wait(self, calls: dict, what: str, compiles: bool) -> dict:
         cfg = self.cfg
         timeout = cfg.compile_timeout_s if compiles else cfg.collective_timeout_s
-        return ray_cluster.wait_all(calls, timeout, what)
+        return ray_cluster.wait_all(calls, timeout, what, self.placement.actor_nodes)
 
     def resumed(self) -> dict:
         """Where the trainers start (`TrainerWorker.resumed`, asked once); sets `first_step`."""

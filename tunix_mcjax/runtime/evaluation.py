@@ -12,8 +12,9 @@ the rollout actors are the hosts and the driver sums their results (`EvalSchedul
 
 from __future__ import annotations
 
+import abc
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -22,7 +23,7 @@ from tunix_mcjax import rewards, topology
 from tunix_mcjax.config import Config, ConfigError
 from tunix_mcjax.engine import Engine
 from tunix_mcjax.runtime import phases
-from tunix_mcjax.tasks import Task, held_out_task
+from tunix_mcjax.tasks import RewardFn, Task, held_out_task
 
 # What each host sends: sums over its evaluation prompts, in this order.
 SUM_FIELDS = ("corr", "partially_corr", "corr_format", "total", "reward_sum", "reward_count")
@@ -66,37 +67,67 @@ def sample_texts(cfg: Config, engine: Engine, tokenizer: Any, tokens: list, seed
     return phases.completion_texts(tokenizer, completions)
 
 
-class TaskEvaluator:
-    """This host's share of the built-in task's held-out prompts (`tasks.held_out_task`,
-    num_test_batches x batch_size of them), sampled num_generations times each and scored by the
-    run's reward and accuracy functions. corr: the mean accuracy of a prompt's samples (pass@1);
-    partially_corr: any sample right; corr_format: the mean of samples that earned any reward
-    (the built-in tasks have no format check of their own)."""
+class SampledEvaluator(abc.ABC):
+    """The evaluators that sample each of this host's evaluation prompts num_generations times
+    and score the texts, with one `local_sums`: corr is the mean accuracy of a prompt's samples
+    (pass@1), partially_corr any sample right, corr_format the mean of formatted samples. A
+    kind says what is accurate (`accuracy`) and what is formatted (`formatted`)."""
 
     mode = "pass_at_1"
 
-    def __init__(self, cfg: Config, tokenizer: Any, task: Task, host: int, num_hosts: int):
-        self.cfg, self.tokenizer, self.task = cfg, tokenizer, task
-        self.share = list(range(host, len(task.prompts), num_hosts))
-        self.tokens = [phases.encode_prompt(tokenizer, i, task.prompts[i]) for i in self.share]
-        self.reward_fns = rewards.resolve_reward_fns(cfg.reward_functions, task)
+    def __init__(self, cfg: Config, tokenizer: Any, prompts: list[str], fields: dict[str, list],
+                 reward_fns: Sequence[RewardFn], indices: list[int] | None = None):
+        """`fields`: per-prompt columns; `indices`: each prompt's dataset index, for errors."""
+        self.cfg, self.tokenizer, self.prompts, self.fields = cfg, tokenizer, prompts, fields
+        self.reward_fns, self.indices = tuple(reward_fns), indices
+        self.tokens = [phases.encode_prompt(tokenizer, i, text) for i, text in
+                       zip(indices or range(len(prompts)), prompts, strict=True)]
+
+    @abc.abstractmethod
+    def accuracy(self, prompts: list[str], texts: list[str], fields: dict[str, list]
+                 ) -> Sequence[float]:
+        """Per sample: its accuracy (1.0 right, 0.0 wrong)."""
+
+    @abc.abstractmethod
+    def formatted(self, texts: list[str], reward: np.ndarray) -> Sequence[float]:
+        """Per sample: whether it has the expected format."""
 
     def local_sums(self, engine: Engine, seed: int) -> np.ndarray:
         sums = dict.fromkeys(SUM_FIELDS, 0.0)
         g = self.cfg.num_generations
-        if self.share:
+        if self.prompts:
             texts = sample_texts(self.cfg, engine, self.tokenizer, self.tokens, seed)
-            expanded = [i for i in self.share for _ in range(g)]
-            prompts = [self.task.prompts[i] for i in expanded]
-            fields = {k: [v[i] for i in expanded] for k, v in self.task.fields.items()}
-            reward = rewards.score(self.reward_fns, prompts, texts, fields, expanded)
-            correct = np.asarray(self.task.accuracy_fn(prompts=prompts, completions=texts,
-                                                       **fields)).reshape(-1, g)
+            rows = [j for j in range(len(self.prompts)) for _ in range(g)]
+            prompts = [self.prompts[j] for j in rows]
+            fields = {k: [v[j] for j in rows] for k, v in self.fields.items()}
+            where = [self.indices[j] for j in rows] if self.indices is not None else None
+            reward = rewards.score(self.reward_fns, prompts, texts, fields, where)
+            correct = np.asarray(self.accuracy(prompts, texts, fields)).reshape(-1, g)
+            formatted = np.asarray(self.formatted(texts, reward)).reshape(-1, g)
             sums.update(corr=correct.mean(1).sum(), partially_corr=(correct.max(1) > 0).sum(),
-                        corr_format=(reward.reshape(-1, g) > 0).mean(1).sum(),
-                        total=len(self.share), reward_sum=float(reward.sum()),
-                        reward_count=len(texts))
+                        corr_format=formatted.mean(1).sum(), total=len(self.prompts),
+                        reward_sum=float(reward.sum()), reward_count=len(texts))
         return np.array([sums[k] for k in SUM_FIELDS], np.float64)
+
+
+class TaskEvaluator(SampledEvaluator):
+    """This host's share of the built-in task's held-out prompts (`tasks.held_out_task`,
+    num_test_batches x batch_size of them), scored by the run's reward and accuracy functions;
+    formatted: a sample that earned any reward (the built-in tasks have no format check)."""
+
+    def __init__(self, cfg: Config, tokenizer: Any, task: Task, host: int, num_hosts: int):
+        share = list(range(host, len(task.prompts), num_hosts))
+        super().__init__(cfg, tokenizer, [task.prompts[i] for i in share],
+                         {k: [v[i] for i in share] for k, v in task.fields.items()},
+                         rewards.resolve_reward_fns(cfg.reward_functions, task), share)
+        self.task = task
+
+    def accuracy(self, prompts: list[str], texts: list[str], fields: dict[str, list]
+                 ) -> Sequence[float]:
+        return self.task.accuracy_fn(prompts=prompts, completions=texts, **fields)
+
+    def formatted(self, texts: list[str], reward: np.ndarray) -> Sequence[float]:
+        return reward > 0
 
 
 def task_evaluator(cfg: Config, tokenizer: Any, host: int, num_hosts: int

@@ -136,8 +136,16 @@ class Prompts:
                    tokenizer.pad_token_id, eos_ids)
 
 
+Scores = tuple[np.ndarray, np.ndarray, np.ndarray]  # (rewards, correct, group advantages)
+
+
 class RolloutPhases:
-    """Phases 1-3 on one rollout host (`host` of `num_hosts`), on its own engine."""
+    """Phases 1-3 on one rollout host (`host` of `num_hosts`), on its own engine.
+
+    `rollout` is the one skeleton (admit -> generate -> score -> `result`), as Tunix's
+    `RLLearner` runs its steps; a kind of rollout overrides the steps, not the skeleton. Here
+    `generate` makes one completion per request; `agentic_rollouts.AgenticRollouts` makes a
+    conversation per request."""
 
     def __init__(self, cfg: Config, prompts: Prompts, engine: Engine, num_hosts: int,
                  host: int):
@@ -161,6 +169,7 @@ class RolloutPhases:
         return Admission(step, global_idx, global_idx[positions])
 
     def generate(self, adm: Admission, round_: int = 0) -> list[Completion]:
+        """The admitted groups' samples (here one completion a request) on the host's engine."""
         g = self.cfg.num_generations
         requests = [self.prompts.tokens[i] for i in adm.local_indices for _ in range(g)]
         if not requests:
@@ -168,15 +177,15 @@ class RolloutPhases:
         return self.engine.generate(requests, self.sampling,
                                     rollout_seed(self.cfg.seed, adm.step, self.host, round_))
 
-    def score(self, adm: Admission, completions: list[Completion]
-              ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """(rewards, correct, group advantages); every group is whole on this host."""
+    def score(self, adm: Admission, completions: list[Completion]) -> Scores:
+        """(rewards, correct, group advantages) of `generate`'s samples; every group is whole
+        on this host."""
         if not completions:
             return (np.zeros(0, np.float32),) * 3
         return self.score_texts(adm, completion_texts(self.prompts.tokenizer, completions))
 
     def score_texts(self, adm: Admission, texts: list[str], extra: dict[str, list] | None = None
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+                    ) -> Scores:
         """(rewards, correct, group advantages) of the admitted groups' completion `texts`, in
         order; `extra`: more per-completion fields for the reward and accuracy functions."""
         g, task = self.cfg.num_generations, self.prompts.task
@@ -186,6 +195,12 @@ class RolloutPhases:
         reward = rewards.score(self.prompts.reward_fns, prompts, texts, fields, expanded)
         correct = np.asarray(task.accuracy_fn(prompts=prompts, completions=texts, **fields))
         return reward, correct, rewards.group_advantages(reward, g)
+
+    def result(self, adm: Admission, completions: list[Completion], scores: Scores,
+               policy_version: int, seconds: dict[str, float]) -> Rollout:
+        """The step's `Rollout` of `generate`'s samples and their `scores`."""
+        return Rollout(adm, tuple(self.prompts.tokens[i] for i in adm.local_indices),
+                       tuple(completions), *scores, policy_version, seconds)
 
     def rollout(self, step: int, policy_version: int, history: stepmath.LengthHistory,
                 timer: metrics.PhaseTimer | None = None, global_idx: np.ndarray | None = None,
@@ -197,12 +212,11 @@ class RolloutPhases:
         with timer.phase("admit"):
             adm = self.admit(step, history, global_idx)
         with timer.phase("generate"):
-            completions = self.generate(adm, round_)
+            samples = self.generate(adm, round_)
         with timer.phase("reward"):
-            reward, correct, advantages = self.score(adm, completions)
+            scores = self.score(adm, samples)
         seconds = {p: timer.seconds[p] for p in ("admit", "generate", "reward")}
-        return Rollout(adm, tuple(self.prompts.tokens[i] for i in adm.local_indices),
-                       tuple(completions), reward, correct, advantages, policy_version, seconds)
+        return self.result(adm, samples, scores, policy_version, seconds)
 
 
 def pack(cfg: Config, seqs: list[packing.Sequence], pad_id: int, num_local_devices: int,

@@ -25,7 +25,12 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 import tunix_mcjax
@@ -102,6 +107,8 @@ class Placement:
     group: PlacementGroup
     bundle: dict[str, float]  # what every actor reserves: a CPU, a host unit, its accelerators
     spread: bool  # one node per bundle (a real cluster) or all on one node (development)
+    # {actor id (hex): the node id of its bundle when it was spawned}, for naming dead nodes.
+    actor_nodes: dict[str, str] = dataclasses.field(default_factory=dict)
 
     @classmethod
     def create(cls, hosts: int, timeout_s: float) -> Placement:
@@ -145,6 +152,10 @@ class Placement:
     def remove(self) -> None:
         remove_placement_group(self.group)
 
+    def bundle_node(self, index: int) -> str:
+        """The node id bundle `index` is placed on now ("" while Ray reschedules it)."""
+        return placement_group_table(self.group).get("bundles_to_node_id", {}).get(index, "")
+
 
 def actor_env(devices: int, group_rank: int = 0, group_size: int = 1,
               coordinator: tuple[str, int] = ("127.0.0.1", 0)) -> dict[str, str]:
@@ -162,11 +173,13 @@ def spawn(cls: type, placement: Placement, index: int, env: dict[str, str], *arg
     """One actor of `cls` in its own worker process with `env`, on bundle `index`'s host."""
     bundle = placement.bundle
     remote = ray.remote(max_restarts=0, max_task_retries=0)(cls)
-    return remote.options(
+    actor = remote.options(
         num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0),
         resources={k: v for k, v in bundle.items() if k not in ("CPU", "GPU")},
         scheduling_strategy=placement.strategy(index),
         runtime_env={"env_vars": env}).remote(*args)
+    placement.actor_nodes[actor._actor_id.hex()] = placement.bundle_node(index)
+    return actor
 
 
 def kill(actors: list[ray.actor.ActorHandle]) -> None:
@@ -177,9 +190,13 @@ def kill(actors: list[ray.actor.ActorHandle]) -> None:
             pass
 
 
-def wait_all(calls: dict[str, ray.ObjectRef], timeout_s: float, what: str) -> dict[str, Any]:
+def wait_all(calls: dict[str, ray.ObjectRef], timeout_s: float, what: str,
+             actor_nodes: dict[str, str] | None = None) -> dict[str, Any]:
     """{actor name: value} of every call. The first call that fails (the actor died or raised)
-    raises `ActorFailed` naming its actor, without waiting for the rest; so does the deadline."""
+    raises `ActorFailed` naming its actor, without waiting for the rest; so does the deadline.
+    A dead actor's error also names its node (`Placement.actor_nodes`) and whether Ray has
+    declared that node dead."""
+    actor_nodes = actor_nodes or {}
     pending = {ref: name for name, ref in calls.items()}
     out: dict[str, Any] = {}
     deadline = time.monotonic() + timeout_s
@@ -196,19 +213,29 @@ def wait_all(calls: dict[str, ray.ObjectRef], timeout_s: float, what: str) -> di
             try:
                 out[name] = ray.get(ref, timeout=max(left, 1.0))
             except RayActorError as e:
-                raise ActorFailed(name, f"its process died during {what} ({type(e).__name__})",
-                                  died=True) from e
+                raise ActorFailed(name, f"its process died during {what} ({type(e).__name__})"
+                                  f"{_where(e, actor_nodes)}", died=True) from e
             except RayTaskError as e:
                 # A peer's death often surfaces first as this one's failed collective: name the
                 # dead one when there is one.
-                raise _dead_among(pending, what) or ActorFailed(
+                raise _dead_among(pending, what, actor_nodes) or ActorFailed(
                     name, f"{what} raised {e.cause!r}", died=False) from e
             except GetTimeoutError as e:
                 raise ActorFailed(name, f"{what} did not return", died=False) from e
     return out
 
 
-def _dead_among(pending: dict[ray.ObjectRef, str], what: str,
+def _where(error: RayActorError, actor_nodes: dict[str, str]) -> str:
+    """" on node ID" for a dead actor whose node is known, with ", a dead node" once Ray has
+    declared that node dead (its raylet gone); "" when the node is unknown."""
+    node = actor_nodes.get(error.actor_id or "", "")
+    if not node:
+        return ""
+    dead = any(n["NodeID"] == node and not n["Alive"] for n in ray.nodes())
+    return f" on node {node}{', a dead node (its raylet is gone)' if dead else ''}"
+
+
+def _dead_among(pending: dict[ray.ObjectRef, str], what: str, actor_nodes: dict[str, str],
                 grace_s: float = DEATH_GRACE_S) -> ActorFailed | None:
     """The first of the `pending` calls whose actor died, waiting up to `grace_s` for Ray to
     notice; None when none did."""
@@ -216,8 +243,9 @@ def _dead_among(pending: dict[ray.ObjectRef, str], what: str,
     for ref in ready:
         try:
             ray.get(ref, timeout=1.0)
-        except RayActorError:
-            return ActorFailed(pending[ref], f"its process died during {what}", died=True)
+        except RayActorError as e:
+            return ActorFailed(pending[ref], f"its process died during {what}"
+                               f"{_where(e, actor_nodes)}", died=True)
         except Exception:  # noqa: BLE001 - only a death is looked for here
             continue
     return None

@@ -18,11 +18,9 @@ from typing import Any
 
 import numpy as np
 
-from tunix_mcjax import admission, rewards
+from tunix_mcjax import admission
 from tunix_mcjax.config import Config, ConfigError
-from tunix_mcjax.engine import Engine
-from tunix_mcjax.runtime import phases
-from tunix_mcjax.runtime.evaluation import SUM_FIELDS, sample_texts
+from tunix_mcjax.runtime.evaluation import SampledEvaluator
 from tunix_mcjax.tasks import Task, _last_number
 
 # Tunix's GSM8K answer format (tunix.examples.data.math_dataset's solution tags).
@@ -167,32 +165,20 @@ def reward_functions(pipeline: Any) -> list[Any]:
     return fns
 
 
-class TunixEvaluator:
+class TunixEvaluator(SampledEvaluator):
     """This host's share of the evaluation rows, sampled `num_generations` times each (as Tunix's
-    learner samples its eval batches) and scored by the run's reward functions. corr: the mean
-    per prompt of answer_correct over its samples (pass@1); partially_corr: any sample right."""
-
-    mode = "pass_at_1"
+    learner samples its eval batches) and scored by the run's reward functions; accurate:
+    answer_correct, formatted: answer_formatted."""
 
     def __init__(self, rows: list[dict], reward_fns: Sequence[Any], tokenizer: Any, cfg: Config,
                  host: int, num_hosts: int):
-        self.rows = rows[host::num_hosts]
-        self.reward_fns, self.tokenizer, self.cfg = tuple(reward_fns), tokenizer, cfg
-        self.tokens = [phases.encode_prompt(tokenizer, i, r["prompts"])
-                       for i, r in enumerate(self.rows)]
+        rows = rows[host::num_hosts]
+        fields = {k: [r[k] for r in rows] for k in rows[0] if k != "prompts"} if rows else {}
+        super().__init__(cfg, tokenizer, [r["prompts"] for r in rows], fields, reward_fns)
 
-    def local_sums(self, engine: Engine, seed: int) -> np.ndarray:
-        sums = dict.fromkeys(SUM_FIELDS, 0.0)
-        g = self.cfg.num_generations
-        if self.rows:
-            texts = sample_texts(self.cfg, engine, self.tokenizer, self.tokens, seed)
-            rows = [r for r in self.rows for _ in range(g)]
-            prompts = [r["prompts"] for r in rows]
-            fields = {k: [r[k] for r in rows] for k in rows[0] if k != "prompts"}
-            reward = rewards.score(self.reward_fns, prompts, texts, fields)
-            correct = np.asarray(answer_correct(prompts, texts, **fields)).reshape(-1, g)
-            formatted = np.asarray(answer_formatted(texts)).reshape(-1, g)
-            sums.update(corr=correct.mean(1).sum(), partially_corr=(correct.max(1) > 0).sum(),
-                        corr_format=formatted.mean(1).sum(), total=len(self.rows),
-                        reward_sum=float(reward.sum()), reward_count=len(texts))
-        return np.array([sums[k] for k in SUM_FIELDS], np.float64)
+    def accuracy(self, prompts: list[str], texts: list[str], fields: dict[str, list]
+                 ) -> Sequence[float]:
+        return answer_correct(prompts, texts, **fields)
+
+    def formatted(self, texts: list[str], reward: np.ndarray) -> Sequence[float]:
+        return answer_formatted(texts)

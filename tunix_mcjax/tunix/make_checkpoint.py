@@ -34,7 +34,7 @@ def main(out: Path, seed: int = 0) -> None:
         return
     from tunix_mcjax import models
     from tunix_mcjax.config import load_config
-    from tunix_mcjax.maxtext.data import resolve_tokenizer_path
+    from tunix_mcjax.tokenizer import resolve_tokenizer_path
 
     cfg = load_config(None, {
         "base_num_decoder_layers": TINY["num_hidden_layers"], "base_emb_dim": TINY["hidden_size"],

@@ -1,5 +1,6 @@
-"""Phases 1-3 of an agentic step on one host: admit (unchanged: whole groups per host), run the
-admitted prompts' conversations turn by turn on the host's engine, score them.
+"""Phases 1-3 of an agentic step on one host, as steps of `RolloutPhases.rollout`: admit
+(unchanged: whole groups per host), generate (the admitted prompts' conversations, turn by turn
+on the host's engine: `agentic.loop`), score them.
 
 Reward functions are called as Tunix's agentic learner calls them: `completions` are the
 model's text (its turns, joined), with the environment's `trajectory_rewards` and the
@@ -9,21 +10,20 @@ depends on (seed, step, prompt, generation) only, not on the host that runs it.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from tunix_mcjax import metrics
 from tunix_mcjax.agentic import rollout as agentic_rollout
 from tunix_mcjax.agentic.conversation import Conversation
 from tunix_mcjax.agentic.loop import TurnLimits, run_turns
 from tunix_mcjax.agentic.parsers import ChatParser, load_chat_template
 from tunix_mcjax.config import Config, ConfigError
 from tunix_mcjax.engine import Completion, Engine
-from tunix_mcjax.runtime import stepmath
-from tunix_mcjax.runtime.phases import Prompts, RolloutPhases, rollout_seed
+from tunix_mcjax.runtime.phases import Prompts, RolloutPhases, Scores, rollout_seed
 from tunix_mcjax.runtime.records import Admission, Rollout
 
 EnvFactory = Callable[..., tuple[Any, Any]]
@@ -44,8 +44,18 @@ def trajectory_seed(seed: int, step: int, prompt_index: int, generation: int,
     return int(np.random.SeedSequence(key).generate_state(1)[0] >> 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class Trajectories:
+    """An agentic generate phase's samples: a host's conversations, each finished, and the
+    engine rounds the turn loop took."""
+
+    conversations: list[Conversation]
+    rounds: int
+
+
 class AgenticRollouts(RolloutPhases):
-    """`RolloutPhases` whose generate phase is the turn loop (`loop.run_turns`)."""
+    """`RolloutPhases` whose samples are conversations: `generate` runs the turn loop
+    (`loop.run_turns`), `score` scores the model's turns, `result` keeps their loss masks."""
 
     def __init__(self, cfg: Config, prompts: Prompts, engine: Engine, num_hosts: int,
                  host: int, parser: ChatParser | None = None):
@@ -77,8 +87,16 @@ class AgenticRollouts(RolloutPhases):
                 out.append(c)
         return out
 
-    def score_conversations(self, adm: Admission, convs: list[Conversation]
-                            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def generate(self, adm: Admission, round_: int = 0) -> Trajectories:
+        convs = self.conversations(adm, round_)
+        rounds = run_turns(self.engine, convs, self.parser, self.sampling,
+                           rollout_seed(self.cfg.seed, adm.step, self.host, round_), self.limits)
+        return Trajectories(convs, rounds)
+
+    def score(self, adm: Admission, trajectories: Trajectories) -> Scores:
+        """Tunix's agentic learner's call: the model's turns as text, with the environment's
+        `trajectory_rewards` and each trajectory's `tool_calls`."""
+        convs = trajectories.conversations
         if not convs:
             return (np.zeros(0, np.float32),) * 3
         texts = [self.parser.tokenizer.decode(
@@ -87,24 +105,16 @@ class AgenticRollouts(RolloutPhases):
         return self.score_texts(adm, texts, {"trajectory_rewards": [c.reward for c in convs],
                                              "tool_calls": [c.tool_calls for c in convs]})
 
-    def rollout(self, step: int, policy_version: int, history: stepmath.LengthHistory,
-                timer: metrics.PhaseTimer | None = None, global_idx: np.ndarray | None = None,
-                round_: int = 0) -> Rollout:
-        timer = timer or metrics.PhaseTimer()
-        with timer.phase("admit"):
-            adm = self.admit(step, history, global_idx)
-        with timer.phase("generate"):
-            convs = self.conversations(adm, round_)
-            rounds = run_turns(self.engine, convs, self.parser, self.sampling,
-                               rollout_seed(self.cfg.seed, step, self.host, round_), self.limits)
-        with timer.phase("reward"):
-            reward, correct, advantages = self.score_conversations(adm, convs)
-        seconds = {p: timer.seconds[p] for p in ("admit", "generate", "reward")}
-        g = self.cfg.num_generations
+    def result(self, adm: Admission, trajectories: Trajectories, scores: Scores,
+               policy_version: int, seconds: dict[str, float]) -> Rollout:
+        """The conversations as completions (the model's and the tools' tokens), their loss
+        masks and turn metrics; each group's prompt is its rendered first messages."""
+        convs, g = trajectories.conversations, self.cfg.num_generations
         completions = tuple(
             Completion(np.asarray(c.tokens, np.int32), np.asarray(c.logprobs, np.float32),
                        "length" if c.status == "context_exceeded" else "stop") for c in convs)
-        turns = {**agentic_rollout.turn_metrics(convs), "rounds": float(rounds)} if convs else {}
+        turns = {**agentic_rollout.turn_metrics(convs),
+                 "rounds": float(trajectories.rounds)} if convs else {}
         return Rollout(adm, tuple(convs[j * g].prompt for j in range(len(adm.local_indices))),
-                       completions, reward, correct, advantages, policy_version, seconds,
+                       completions, *scores, policy_version, seconds,
                        masks=tuple(np.asarray(c.mask, np.float32) for c in convs), turns=turns)
