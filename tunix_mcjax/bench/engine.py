@@ -305,7 +305,7 @@ def engine_arm(
     engine.load_weights(params)
     engine.generate(prompts, sampling, seed=0)  # compile
     info = {"decode_batch": min(batch, pow2_at_least(profile.requests)),
-            "pool_pages": engine.num_pages, "page_size": engine.page_size,
+            "pool_pages": engine.num_pages, "page_size": engine.options.page_size,
             "layout": type(resolve_layout(layout)).__name__}
 
     def measure(rep: int) -> dict[str, float]:
