@@ -195,7 +195,7 @@ def test_hf_layouts_equal_the_checkpoint_exporter_and_untied_head_maps():
     from flax import nnx
 
     from tunix_mcjax import models
-    from tunix_mcjax.engine.jax_engine import flatten_tree
+    from tunix_mcjax.engine.trees import flatten_tree
 
     base = models.model_config(config.load_config(None), vocab_size=40, for_sampling=True)
     for mc in (base, dataclasses.replace(base, use_tied_embedding=False)):

@@ -58,8 +58,9 @@ def test_maxtext_pool_keys_reach_the_maxtext_engines_pool():
     config, cfg, not_applied = checked_config(maxtext_argv(*pool), {}, 1)
     assert cfg.rollout_engine == "maxtext" and not_applied == {}
     engine = phases.default_engine(cfg, config, jax.local_devices()[:1], 0, ())
-    assert (engine.page_size, engine.max_num_batched_tokens, engine.prefix_caching,
-            engine.free_pool_after_generate) == (8, 32, True, False)
+    options = engine.options
+    assert (options.page_size, options.max_num_batched_tokens, options.prefix_caching,
+            options.free_pool_after_generate) == (8, 32, True, False)
     _, small, _ = checked_config(maxtext_argv(*pool, "hbm_utilization_vllm=1e-9"), {}, 1)
     with pytest.raises(ValueError, match="raise hbm_utilization_vllm"):
         phases.default_engine(small, config, jax.local_devices()[:1], 0, ())

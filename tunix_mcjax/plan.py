@@ -31,8 +31,9 @@ import sys
 
 from tunix_mcjax import memory
 from tunix_mcjax.config import Config, ConfigError, load_config
-from tunix_mcjax.engine import jax_engine, pages
-from tunix_mcjax.engine.jax_engine import pow2_at_least
+from tunix_mcjax.engine import pages
+from tunix_mcjax.engine.buckets import pow2_at_least, prompt_bucket
+from tunix_mcjax.engine.options import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tunix_mcjax.train.segment_attention import KEY_BLOCK
 
 GIB = 2**30
@@ -222,11 +223,6 @@ class PagedShape:
         return self.pool_pages >= self.least_pages
 
 
-def prompt_bucket(longest: int, cap: int) -> int:
-    """The prompt bucket the engine pads a share to (`JaxEngine._buckets`)."""
-    return min(max(jax_engine.MIN_PROMPT_BUCKET, pow2_at_least(longest)), cap)
-
-
 def share_prompts(requests: int, group: int) -> int:
     """Distinct prompts in `requests` consecutive requests of groups of `group`, at most (a share
     may start and end inside a group)."""
@@ -255,7 +251,7 @@ def paged_shape(cfg: Config, cluster: Cluster, m: ModelShape) -> PagedShape:
     """The jax engine's pool and program for a replica's share, from its own arithmetic."""
     tp, group = cfg.rollout_tensor_parallelism, cfg.num_generations
     page_size = cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE
-    batched = cfg.max_num_batched_tokens or jax_engine.DEFAULT_MAX_NUM_BATCHED_TOKENS
+    batched = cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     prompt_cap, max_new = cfg.max_prefill_predict_length, cfg.max_completion_length
     lockstep = cfg.rl_runtime == "single"
     requests = -(-cfg.global_rows // cluster.hosts // engine_replicas(cfg, cluster))

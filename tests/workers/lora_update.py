@@ -20,7 +20,7 @@ from tests.workers.fixed_update import LR, VOCAB, fixed_batch, flat
 from tunix_mcjax import models, topology
 from tunix_mcjax.bench.hlo import collectives
 from tunix_mcjax.engine import Completion
-from tunix_mcjax.engine.jax_engine import flatten_tree
+from tunix_mcjax.engine.trees import flatten_tree
 from tunix_mcjax.rewards import group_advantages
 from tunix_mcjax.runtime import recovery
 from tunix_mcjax.runtime.colocated import ColocatedRuntime

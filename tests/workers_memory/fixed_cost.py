@@ -22,7 +22,8 @@ from tests.workers_memory.updates import BASE, local_rows
 from tunix_mcjax import models
 from tunix_mcjax.bench.hlo import collectives
 from tunix_mcjax.config import load_config
-from tunix_mcjax.engine.jax_engine import JaxEngine, flatten_tree
+from tunix_mcjax.engine.jax_engine import JaxEngine
+from tunix_mcjax.engine.trees import flatten_tree
 from tunix_mcjax.publish import Publisher
 from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 

@@ -27,24 +27,19 @@ from tunix.models.qwen3 import model as qwen3
 
 from tunix_mcjax import hostmem, memory
 from tunix_mcjax.engine import pages
-from tunix_mcjax.engine.base import Completion, Engine, FinishReason, SamplingParams
-from tunix_mcjax.engine.decode_loop import (
-    DecodeModel,
-    Inputs,
-    Outputs,
-    ProgramShape,
-    build_program,
-)
+from tunix_mcjax.engine.base import Completion, Engine, SamplingParams
+from tunix_mcjax.engine.buckets import pack_prompts, pow2_at_least, prompt_bucket
+from tunix_mcjax.engine.decode_loop import build_program
+from tunix_mcjax.engine.loop_state import DecodeModel, Inputs, Outputs, ProgramShape
+from tunix_mcjax.engine.options import EngineOptions, options_of
 from tunix_mcjax.engine.paged_attention import layout_for
 from tunix_mcjax.engine.qwen3_forward import Qwen3PagedModel
 from tunix_mcjax.engine.sampling import SamplerSpec
+from tunix_mcjax.engine.stops import stop_reason
+from tunix_mcjax.engine.trees import LeafPath, flatten_tree, unflatten_tree
 from tunix_mcjax.train import lora
 
-LeafPath = tuple[str, ...]
 MAX_STOP_IDS = 32
-MIN_PROMPT_BUCKET = 8
-DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # prefill tokens per loop iteration
-DEFAULT_HBM_UTILIZATION = 0.72  # MaxText's rl.yml default for hbm_utilization_vllm
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,31 +64,6 @@ STAT_NAMES = ("iterations", "prefill_steps", "preemptions", "shared_pages", "pea
               "packed_steps")
 
 
-def pow2_at_least(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
-def flatten_tree(tree: Mapping[Any, Any], prefix: LeafPath = ()) -> dict[LeafPath, Any]:
-    flat: dict[LeafPath, Any] = {}
-    for key, value in tree.items():
-        path = (*prefix, str(key))
-        if isinstance(value, Mapping):
-            flat.update(flatten_tree(value, path))
-        else:
-            flat[path] = value
-    return flat
-
-
-def unflatten_tree(flat: Mapping[LeafPath, Any]) -> dict[str, Any]:
-    tree: dict[str, Any] = {}
-    for path, value in flat.items():
-        node = tree
-        for key in path[:-1]:
-            node = node.setdefault(key, {})
-        node[path[-1]] = value
-    return tree
-
-
 @functools.partial(jax.jit, static_argnums=1)
 def replica_keys(seed: jax.Array, replicas: int) -> jax.Array:
     """[replicas, 2]: `fold_in(PRNGKey(seed), r)` for each replica r, in one dispatch (op by op
@@ -101,33 +71,6 @@ def replica_keys(seed: jax.Array, replicas: int) -> jax.Array:
     as the caller passes it."""
     key = jax.random.PRNGKey(seed)
     return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(replicas, dtype=jnp.uint32))
-
-
-def pack_prompts(
-    prompts: Sequence[np.ndarray], pad_id: int, prompt_len: int, multiple: int,
-    share: bool = True,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Distinct prompts, right-padded: (tokens [U, prompt_len], lengths [U], request_prompts [N]).
-
-    N and U are powers of two rounded up to `multiple`; padding requests point at prompt -1.
-    Without `share`, every request has a prompt of its own (no prefix sharing).
-    """
-    if share:
-        distinct: dict[bytes, int] = {}
-        index = [distinct.setdefault(p.tobytes(), len(distinct)) for p in prompts]
-    else:
-        index = list(range(len(prompts)))
-    num_distinct = max(index) + 1
-    n = -(-pow2_at_least(len(prompts)) // multiple) * multiple
-    u = -(-pow2_at_least(num_distinct) // multiple) * multiple
-    request_prompts = np.full((n,), -1, np.int32)
-    request_prompts[: len(index)] = index
-    tokens = np.full((u, prompt_len), pad_id, np.int32)
-    lengths = np.zeros((u,), np.int32)
-    for prompt, i in zip(prompts, index, strict=True):
-        tokens[i, : len(prompt)] = prompt
-        lengths[i] = len(prompt)
-    return tokens, lengths, request_prompts
 
 
 def _leaf_specs(cfg: qwen3.ModelConfig, tp: int) -> dict[LeafPath, _LeafSpec]:
@@ -156,86 +99,39 @@ def _leaf_specs(cfg: qwen3.ModelConfig, tp: int) -> dict[LeafPath, _LeafSpec]:
 
 
 class JaxEngine(Engine):
-    """Per-host rollout engine on `devices` (this host's local devices).
-
-    `eos_ids` are the model's end-of-sequence ids (`engine.stops.model_stop_ids`); each ends a
-    sequence unless `ignore_eos`. `max_batch_size` caps the rows one replica decodes at once
-    (rounded up to a power of two): with continuous batching a larger share streams through
-    that many rows; without it the share runs in waves. `lockstep` decodes each replica's share
-    in one batch, all replicas iterating together. `data_parallelism` replicas use the first
-    data_parallelism x tensor_parallelism devices.
-
-    The KV pool of a replica: `page_size` tokens a page; `num_pages` pages, or (0) as many as
-    `hbm_utilization` of a device holds beside the engine's weights, never more than every row
-    at the caps could use. `max_num_batched_tokens` bounds the prompt tokens one loop iteration
-    prefills. `prefix_caching` lets the requests of one prompt share its pages. The pool is made
-    on first use and kept, unless `free_pool_after_generate` (a colocated trainer wants the
-    memory between rollouts). A decode step runs the live rows only, packed into an eighth of
-    the slots when they fit (`decode_loop.decode_rows`).
+    """Per-host rollout engine on `devices` (this host's local devices), with `options`
+    (`EngineOptions`; or its fields as keywords). A decode step runs the live rows only,
+    packed into an eighth of the slots when they fit (`runner.ModelRunner.decode_rows`).
     """
 
-    pack_decode_rows = True  # the model runs at any row count (`decode_loop.decode_row_sizes`)
+    pack_decode_rows = True  # the model runs at any row count (`loop_state.decode_row_sizes`)
 
-    def __init__(
-        self,
-        model_config: qwen3.ModelConfig,
-        devices: Sequence[jax.Device],
-        *,
-        pad_id: int,
-        eos_ids: Sequence[int],
-        max_prompt_length: int,
-        max_new_tokens: int,
-        tensor_parallelism: int = 1,
-        continuous_batching: bool = True,
-        lockstep: bool = False,
-        max_batch_size: int = 64,
-        data_parallelism: int = -1,
-        page_size: int = pages.DEFAULT_PAGE_SIZE,
-        num_pages: int = 0,
-        hbm_utilization: float = DEFAULT_HBM_UTILIZATION,
-        max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS,
-        prefix_caching: bool = True,
-        free_pool_after_generate: bool = False,
-    ):
+    def __init__(self, model_config: Any, devices: Sequence[jax.Device],
+                 options: EngineOptions | None = None, **fields: Any):
+        self.options = opts = options_of(options, fields)
         devices = list(devices)
-        tp = tensor_parallelism
-        if data_parallelism != -1:  # -1: as many replicas as the devices hold
-            if not 1 <= data_parallelism * tp <= len(devices):
-                raise ValueError(f"data_parallelism={data_parallelism} x tensor_parallelism={tp} "
-                                 f"does not fit {len(devices)} devices")
-            devices = devices[:data_parallelism * tp]
+        tp = opts.tensor_parallelism
+        if opts.data_parallelism != -1:  # -1: as many replicas as the devices hold
+            if not 1 <= opts.data_parallelism * tp <= len(devices):
+                raise ValueError(f"data_parallelism={opts.data_parallelism} x "
+                                 f"tensor_parallelism={tp} does not fit {len(devices)} devices")
+            devices = devices[:opts.data_parallelism * tp]
         if not devices or tp < 1 or len(devices) % tp:
             raise ValueError(
                 f"{len(devices)} devices do not split into replicas of tensor_parallelism={tp}"
             )
         self.model_config = model_config
         self._check_tensor_parallelism(tp)
-        if max_prompt_length < 1 or max_new_tokens < 1 or max_batch_size < 1:
-            raise ValueError("max_prompt_length, max_new_tokens and max_batch_size must be >= 1")
-        if page_size < 1 or max_num_batched_tokens < 1 or not 0 < hbm_utilization <= 1:
-            raise ValueError("page_size (vllm_block_size) and max_num_batched_tokens must be >= "
-                             "1, and hbm_utilization (hbm_utilization_vllm) in (0, 1]")
-        self.pad_id = pad_id
-        self.eos_ids = tuple(dict.fromkeys(int(i) for i in eos_ids))
         # Pad is sampled only when it is one of the model's EOS ids (Qwen3's <|endoftext|>).
-        self.masked_id = None if pad_id in self.eos_ids else pad_id
-        self.max_prompt_length = max_prompt_length
-        self.max_new_tokens = max_new_tokens
-        self.continuous_batching = continuous_batching
-        self.lockstep = lockstep
-        self.max_batch_size = max_batch_size
-        self.page_size = page_size
-        self.max_num_batched_tokens = max_num_batched_tokens
-        self.prefix_caching = prefix_caching
-        self.free_pool_after_generate = free_pool_after_generate
+        self.masked_id = None if opts.pad_id in opts.eos_ids else opts.pad_id
         groups = np.array(devices, dtype=object).reshape(-1, tp)
-        if lockstep:
+        if opts.lockstep:
             self.meshes = [self._mesh(groups)]
         else:
             self.meshes = [self._mesh(group.reshape(1, tp)) for group in groups]
         self._leaf_specs = self._param_specs(tp)
-        self.num_pages = num_pages or self._pages_for(devices[0], len(devices), hbm_utilization,
-                                                       tp)
+        self.num_pages = opts.num_pages or self._pages_for(devices[0], len(devices),
+                                                           opts.hbm_utilization, tp)
         self._check_pool()
         self.pool_bytes = self.num_pages * self._page_bytes(tp) * len(devices)  # all replicas
         self._params: list[dict[LeafPath, jax.Array]] = [{} for _ in self.meshes]
@@ -277,7 +173,7 @@ class JaxEngine(Engine):
 
     @property
     def num_replicas(self) -> int:
-        return 1 if self.lockstep else len(self.meshes)
+        return 1 if self.options.lockstep else len(self.meshes)
 
     @property
     def compile_count(self) -> int:
@@ -288,13 +184,13 @@ class JaxEngine(Engine):
     def _page_bytes(self, tp: int) -> int:
         cfg = self.model_config
         itemsize = np.dtype(cfg.dtype).itemsize
-        return pages.page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, self.page_size,
-                                itemsize, tp)
+        return pages.page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
+                                self.options.page_size, itemsize, tp)
 
     def _pages_needed(self) -> int:
-        slots = pow2_at_least(self.max_batch_size)
-        return pages.pages_needed(slots, self.max_prompt_length, self.max_new_tokens,
-                                  self.page_size)
+        opts = self.options
+        return pages.pages_needed(pow2_at_least(opts.max_batch_size), opts.max_prompt_length,
+                                  opts.max_new_tokens, opts.page_size)
 
     def _pages_for(self, device: jax.Device, local_devices: int, utilization: float,
                    tp: int) -> int:
@@ -307,13 +203,14 @@ class JaxEngine(Engine):
     def _check_pool(self) -> None:
         """One sequence at the caps, with its prompt's pages, must fit: then the loop always
         moves (a lone row never waits on a page)."""
-        least = pages.least_pool_pages(self.max_prompt_length, self.max_new_tokens,
-                                       self.page_size)
+        opts = self.options
+        least = pages.least_pool_pages(opts.max_prompt_length, opts.max_new_tokens,
+                                       opts.page_size)
         if self.num_pages < least:
             raise ValueError(
-                f"the KV page pool holds {self.num_pages} pages of {self.page_size} tokens, but "
-                f"one sequence at the caps (max_prefill_predict_length={self.max_prompt_length} "
-                f"prompt tokens, {self.max_new_tokens} new) needs {least}: raise "
+                f"the KV page pool holds {self.num_pages} pages of {opts.page_size} tokens, but "
+                f"one sequence at the caps (max_prefill_predict_length={opts.max_prompt_length} "
+                f"prompt tokens, {opts.max_new_tokens} new) needs {least}: raise "
                 "hbm_utilization_vllm (the engine's share of device memory), or lower "
                 "max_prefill_predict_length / max_target_length")
 
@@ -412,36 +309,36 @@ class JaxEngine(Engine):
         try:
             return self._collect(pending, num_requests, sampling)
         finally:
-            if self.free_pool_after_generate:
+            if self.options.free_pool_after_generate:
                 self._pools = [None for _ in self.meshes]
                 hostmem.trim(self.meshes[0].devices.flat, self.pool_bytes)
 
     def _buckets(self, prompts: list[np.ndarray], sampling: SamplingParams) -> tuple[int, int]:
         """(prompt length, new tokens) padded to powers of two, capped by the engine limits."""
         longest = max(len(p) for p in prompts)
-        prompt_bucket = min(max(MIN_PROMPT_BUCKET, pow2_at_least(longest)), self.max_prompt_length)
-        new_bucket = min(pow2_at_least(sampling.max_new_tokens), self.max_new_tokens)
-        return prompt_bucket, new_bucket
+        return (prompt_bucket(longest, self.options.max_prompt_length),
+                min(pow2_at_least(sampling.max_new_tokens), self.options.max_new_tokens))
 
     def _validate(self, prompts: list[np.ndarray], sampling: SamplingParams) -> None:
         if not prompts:
             raise ValueError("generate() needs at least one prompt")
         vocab = self.model_config.vocab_size
         lengths = np.array([len(p) for p in prompts])
-        if bad := np.flatnonzero((lengths < 1) | (lengths > self.max_prompt_length)).tolist():
+        cap = self.options.max_prompt_length
+        if bad := np.flatnonzero((lengths < 1) | (lengths > cap)).tolist():
             raise ValueError(
                 f"prompt {bad[0]} has {lengths[bad[0]]} tokens; need 1..max_prompt_length="
-                f"{self.max_prompt_length}"
+                f"{self.options.max_prompt_length}"
             )
         ids = np.concatenate(prompts)
         if ids.min() < 0 or ids.max() >= vocab:
             first = int(np.searchsorted(np.cumsum(lengths), np.flatnonzero(
                 (ids < 0) | (ids >= vocab))[0], side="right"))
             raise ValueError(f"prompt {first} has token ids outside [0, {vocab})")
-        if not 1 <= sampling.max_new_tokens <= self.max_new_tokens:
+        if not 1 <= sampling.max_new_tokens <= self.options.max_new_tokens:
             raise ValueError(
                 f"sampling.max_new_tokens={sampling.max_new_tokens} must be in "
-                f"1..{self.max_new_tokens} (the engine's max_new_tokens)"
+                f"1..{self.options.max_new_tokens} (the engine's max_new_tokens)"
             )
         if not sampling.greedy and sampling.temperature <= 0:
             raise ValueError("temperature must be > 0 unless greedy=True")
@@ -470,17 +367,17 @@ class JaxEngine(Engine):
     ) -> list[_Pending]:
         """Launch one replica's share without blocking: one program, or waves without CB.
         In lockstep, `replica` 0 runs every replica's share in one program."""
-        mesh_index = 0 if self.lockstep else replica
+        mesh_index = 0 if self.options.lockstep else replica
         mesh = self.meshes[mesh_index]
-        if self.lockstep or self.continuous_batching:
+        if self.options.lockstep or self.options.continuous_batching:
             batches = [request_ids]
         else:
-            size = self.max_batch_size
+            size = self.options.max_batch_size
             batches = [request_ids[i : i + size] for i in range(0, len(request_ids), size)]
         pending, first = [], 0
         for batch in batches:
             # In lockstep each device group takes a slice; request i keeps key index i.
-            parts = mesh.shape["data"] if self.lockstep else 1
+            parts = mesh.shape["data"] if self.options.lockstep else 1
             shares = [[int(r) for r in part] for part in np.array_split(batch, parts)]
             offsets = np.cumsum([0] + [len(share) for share in shares[:-1]])
             host_inputs = [self._host_inputs([prompts[r] for r in share], sampling, key,
@@ -500,8 +397,8 @@ class JaxEngine(Engine):
 
     def _host_inputs(self, prompts: list[np.ndarray], sampling: SamplingParams, key: np.ndarray,
                      first: int, prompt_bucket: int) -> dict[str, Any]:
-        tokens, lens, request_prompts = pack_prompts(prompts, self.pad_id, prompt_bucket, 1,
-                                                     share=self.prefix_caching)
+        tokens, lens, request_prompts = pack_prompts(prompts, self.options.pad_id, prompt_bucket, 1,
+                                                     share=self.options.prefix_caching)
         stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
         stops = self._stop_ids(sampling)
         stop_ids[: len(stops)] = stops
@@ -520,12 +417,12 @@ class JaxEngine(Engine):
         u = max(len(h["prompt_lens"]) for h in host_inputs)
         group = max(int(np.bincount(h["request_prompts"][h["request_prompts"] >= 0]).max(
             initial=1)) for h in host_inputs)
-        chunk, rows = pages.prefill_chunk(prompt_bucket, self.max_num_batched_tokens)
+        chunk, rows = pages.prefill_chunk(prompt_bucket, self.options.max_num_batched_tokens)
         return ProgramShape(
-            num_requests=n, num_slots=n if self.lockstep else min(n, pow2_at_least(
-                self.max_batch_size)),
+            num_requests=n, num_slots=n if self.options.lockstep else min(n, pow2_at_least(
+                self.options.max_batch_size)),
             num_prompts=u, prompt_len=prompt_bucket, max_new=new_bucket,
-            page_size=self.page_size, num_pages=self.num_pages, chunk=chunk,
+            page_size=self.options.page_size, num_pages=self.num_pages, chunk=chunk,
             prefill_rows=max(1, min(u, rows)), group_size=pow2_at_least(group),
             pack_decode_rows=self.pack_decode_rows)
 
@@ -543,7 +440,7 @@ class JaxEngine(Engine):
     def _inputs(self, host_inputs: list[dict[str, Any]]) -> Inputs:
         """One replica's inputs, or in lockstep every replica's stacked, as host arrays: the
         compiled program places them (`_input_specs`), cheaper than a device_put per call."""
-        if not self.lockstep:
+        if not self.options.lockstep:
             return Inputs(**host_inputs[0])
         return Inputs(**{k: np.stack([np.asarray(h[k]) for h in host_inputs])
                          for k in host_inputs[0]})
@@ -551,7 +448,7 @@ class JaxEngine(Engine):
     def _input_specs(self, inputs: Inputs, mesh: Mesh) -> Inputs:
         """Where the program takes its inputs: replicated over the replica's mesh, or in
         lockstep each replica's slice on its device group."""
-        sharding = NamedSharding(mesh, P("data") if self.lockstep else P())
+        sharding = NamedSharding(mesh, P("data") if self.options.lockstep else P())
         return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding),
                             inputs)
 
@@ -560,7 +457,8 @@ class JaxEngine(Engine):
         if self._pools[mesh_index] is None:
             replicas = self.meshes[mesh_index].shape["data"]  # > 1 in lockstep: a slice each
             model = self._replica_model(mesh_index)
-            self._pools[mesh_index] = model.empty_pool(self.num_pages * replicas, self.page_size)
+            self._pools[mesh_index] = model.empty_pool(self.num_pages * replicas,
+                                                       self.options.page_size)
         return self._pools[mesh_index]
 
     def _program(self, mesh_index: int, shape: ProgramShape, spec: SamplerSpec, params, pool,
@@ -571,7 +469,7 @@ class JaxEngine(Engine):
             mesh = self.meshes[mesh_index]
             model = self._replica_model(mesh_index)
             vocab = self.model_config.vocab_size
-            if self.lockstep:
+            if self.options.lockstep:
                 fn = self._lockstep(build_program(model, shape, spec, self.masked_id, vocab,
                                                   lockstep_axis="data"), mesh,
                                     model.layout.spec("data"))
@@ -602,7 +500,7 @@ class JaxEngine(Engine):
         self.last_stats = []
         for item in pending:
             out = jax.device_get(item.outputs)  # one batched transfer
-            if not self.lockstep:  # one replica: give it the lockstep layout [replicas, ...]
+            if not self.options.lockstep:  # one replica: the lockstep layout [replicas, ...]
                 out = jax.tree.map(lambda x: x[None], out)
             if out.stalled.any():
                 raise RuntimeError(
@@ -617,7 +515,8 @@ class JaxEngine(Engine):
                 results[request] = Completion(
                     tokens=seq,
                     logprobs=out.logprobs[replica, row, :n].copy(),
-                    finish_reason=self._finish_reason(seq, sampling),
+                    finish_reason=stop_reason(int(seq[-1]), self.options.eos_ids, sampling)
+                    or "length",
                 )
         return results  # type: ignore[return-value]
 
@@ -627,13 +526,6 @@ class JaxEngine(Engine):
         return [stats["iterations"] for stats in self.last_stats]
 
     def _stop_ids(self, sampling: SamplingParams) -> list[int]:
-        eos = [] if sampling.ignore_eos else list(self.eos_ids)
+        eos = [] if sampling.ignore_eos else list(self.options.eos_ids)
         return list(dict.fromkeys([*sampling.stop_token_ids, *eos]))
 
-    def _finish_reason(self, tokens: np.ndarray, sampling: SamplingParams) -> FinishReason:
-        last = int(tokens[-1])
-        if last in self.eos_ids and not sampling.ignore_eos:
-            return "eos"
-        if last in sampling.stop_token_ids:
-            return "stop"
-        return "length"

@@ -17,13 +17,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from tunix_mcjax.engine.jax_engine import (
-    JaxEngine,
-    LeafPath,
-    _LeafSpec,
-    flatten_tree,
-    unflatten_tree,
-)
+from tunix_mcjax.engine.jax_engine import JaxEngine, _LeafSpec
 from tunix_mcjax.engine.maxtext_model import (
     MOE_UP_KERNELS,
     MaxTextPagedModel,
@@ -35,7 +29,9 @@ from tunix_mcjax.engine.maxtext_model import (
     scan_plan,
     unstack_layers,
 )
+from tunix_mcjax.engine.options import EngineOptions, options_of
 from tunix_mcjax.engine.paged_attention import layout_for
+from tunix_mcjax.engine.trees import LeafPath, flatten_tree, unflatten_tree
 
 
 class MaxTextEngine(JaxEngine):
@@ -52,9 +48,11 @@ class MaxTextEngine(JaxEngine):
     # follows the tokens of a call: a row's sample must not depend on how many rows run with it.
     pack_decode_rows = False
 
-    def __init__(self, model_config: Any, devices: Sequence[jax.Device], *,
-                 weight_dtype: str | None = None, **kwargs: Any):
-        if kwargs.get("lockstep"):
+    def __init__(self, model_config: Any, devices: Sequence[jax.Device],
+                 options: EngineOptions | None = None, *, weight_dtype: str | None = None,
+                 **fields: Any):
+        options = options_of(options, fields)
+        if options.lockstep:
             raise ValueError("the maxtext engine runs per host (rl_runtime=mcjax); lockstep "
                              "decoding (rl_runtime=single) is the jax engine's")
         self.weight_dtype = weight_dtype or None
@@ -63,8 +61,8 @@ class MaxTextEngine(JaxEngine):
         self._models: dict[int, MaxTextPagedModel] = {}
         self._minor_paths: set[LeafPath] = set()  # MoE up-kernels kept expert-minor on CPU
         self._minor_keys: set[tuple] = set()  # the same, as MaxText's param keys
-        self._context = (kwargs.get("max_prompt_length", 1), kwargs.get("max_new_tokens", 1))
-        super().__init__(model_config, devices, **kwargs)
+        self._context = (options.max_prompt_length, options.max_new_tokens)
+        super().__init__(model_config, devices, options)
 
     def _check_tensor_parallelism(self, tp: int) -> None:
         cfg = self.model_config
@@ -127,7 +125,7 @@ class MaxTextEngine(JaxEngine):
         return self._models[key]
 
     def _page_bytes(self, tp: int) -> int:
-        return self._decode_model(self.meshes[0]).page_bytes(self.page_size, tp)
+        return self._decode_model(self.meshes[0]).page_bytes(self.options.page_size, tp)
 
     def _tree(self, flat: Mapping[LeafPath, Any]) -> dict[Any, Any]:
         """MaxText's pure-dict param tree, with its own keys (integers stay integers)."""

@@ -9,9 +9,11 @@ when pad is not one of them. Padding is then told apart from a final token by le
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 from pathlib import Path
 from typing import Any
+
+from tunix_mcjax.engine.base import FinishReason, SamplingParams
 
 GENERATION_CONFIG = "generation_config.json"
 
@@ -38,3 +40,14 @@ def model_stop_ids(tokenizer: Any, directories: Iterable[str | Path]) -> tuple[i
     for directory in directories:
         ids += generation_config_eos_ids(directory)
     return tuple(dict.fromkeys(ids))
+
+
+def stop_reason(last: int, eos_ids: Collection[int],
+                sampling: SamplingParams) -> FinishReason | None:
+    """Why a sequence whose last token is `last` ended on a stop token ("eos", "stop"), or None
+    when that token stops nothing (it ran to its length)."""
+    if last in eos_ids and not sampling.ignore_eos:
+        return "eos"
+    if last in sampling.stop_token_ids:
+        return "stop"
+    return None

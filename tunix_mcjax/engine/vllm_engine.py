@@ -34,7 +34,8 @@ from tunix.models.qwen3.model import ModelConfig
 
 from tunix_mcjax.engine import hf_qwen3, vllm_publish
 from tunix_mcjax.engine.base import Completion, Engine, FinishReason, SamplingParams
-from tunix_mcjax.engine.jax_engine import flatten_tree
+from tunix_mcjax.engine.stops import stop_reason
+from tunix_mcjax.engine.trees import flatten_tree
 
 # Set before vLLM is first imported: one process, no engine-core subprocess.
 FORCED_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -259,8 +260,7 @@ class VllmEngine(Engine):
         if sample.finish_reason != "stop":
             raise RuntimeError(f"vLLM ended a completion with {sample.finish_reason!r}")
         last = int(tokens[-1])
-        if last in self.eos_ids and not sampling.ignore_eos:
-            return "eos"
-        if last in sampling.stop_token_ids:
-            return "stop"
-        raise RuntimeError(f"vLLM stopped on token {last}, which is no stop token of ours")
+        reason = stop_reason(last, self.eos_ids, sampling)
+        if reason is None:
+            raise RuntimeError(f"vLLM stopped on token {last}, which is no stop token of ours")
+        return reason

@@ -21,7 +21,7 @@ import numpy as np
 from tunix.models.qwen3.model import ModelConfig
 
 from tunix_mcjax.engine import hf_qwen3
-from tunix_mcjax.engine.jax_engine import flatten_tree
+from tunix_mcjax.engine.trees import flatten_tree
 
 LeafPath = tuple[str, ...]
 

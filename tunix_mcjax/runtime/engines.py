@@ -4,32 +4,29 @@ from __future__ import annotations
 
 from tunix_mcjax.config import Config, ConfigError
 from tunix_mcjax.engine import Engine
+from tunix_mcjax.engine.options import EngineOptions
 
 
-def _engine_options(cfg: Config) -> dict:
-    """The engine settings every engine of our decode loop takes. Agentic runs decode turns:
-    a turn's context is anything up to the whole budget, and a turn is at most its cap."""
+def engine_options(cfg: Config, pad_id: int, eos_ids: tuple[int, ...]) -> EngineOptions:
+    """The settings of an engine over our decode loop (jax, maxtext). Agentic runs decode turns:
+    a turn's context is anything up to the whole budget, and a turn is at most its cap. Pool
+    keys left at 0 keep the engine's defaults."""
     agentic = cfg.use_agentic_rollout
-    return dict(
+    pool = {"page_size": cfg.vllm_block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens}
+    return EngineOptions(
+        pad_id=pad_id, eos_ids=eos_ids,
         max_prompt_length=cfg.max_target_length - 1 if agentic else cfg.max_prefill_predict_length,
         max_new_tokens=cfg.agentic_turn_tokens if agentic else cfg.max_completion_length,
         tensor_parallelism=cfg.rollout_tensor_parallelism,
         data_parallelism=cfg.rollout_data_parallelism,
         continuous_batching=cfg.rollout_continuous_batching,
         max_batch_size=cfg.rollout_max_batch_size,
+        lockstep=cfg.rl_runtime == "single",
+        hbm_utilization=cfg.hbm_utilization_vllm,
+        prefix_caching=cfg.enable_prefix_caching,
+        free_pool_after_generate=cfg.free_kv_cache_during_weight_sync,
+        **{key: value for key, value in pool.items() if value},
     )
-
-
-def _pool_options(cfg: Config) -> dict:
-    """The KV page pool's settings (0 keys keep the engine's defaults)."""
-    options = dict(hbm_utilization=cfg.hbm_utilization_vllm,
-                   prefix_caching=cfg.enable_prefix_caching,
-                   free_pool_after_generate=cfg.free_kv_cache_during_weight_sync)
-    if cfg.vllm_block_size:
-        options["page_size"] = cfg.vllm_block_size
-    if cfg.max_num_batched_tokens:
-        options["max_num_batched_tokens"] = cfg.max_num_batched_tokens
-    return options
 
 
 def jax_engine(cfg: Config, model_config, devices, pad_id: int,
@@ -37,9 +34,7 @@ def jax_engine(cfg: Config, model_config, devices, pad_id: int,
     """Our paged decode loop over Tunix Qwen3 (`rollout_engine=jax`)."""
     from tunix_mcjax.engine.jax_engine import JaxEngine
 
-    return JaxEngine(model_config, devices, pad_id=pad_id, eos_ids=eos_ids,
-                     lockstep=cfg.rl_runtime == "single", **_engine_options(cfg),
-                     **_pool_options(cfg))
+    return JaxEngine(model_config, devices, engine_options(cfg, pad_id, eos_ids))
 
 
 def maxtext_engine(cfg: Config, model_config, devices, pad_id: int,
@@ -53,9 +48,8 @@ def maxtext_engine(cfg: Config, model_config, devices, pad_id: int,
             "rollout_engine=maxtext decodes MaxText's own model, so it runs under the MaxText "
             "adapter (rl_runtime=mcjax on MaxText's train_rl); this run's model is Tunix Qwen3: "
             "use rollout_engine=jax")
-    return MaxTextEngine(model_config, devices, pad_id=pad_id, eos_ids=eos_ids,
-                         weight_dtype=cfg.rollout_weight_dtype or None, **_engine_options(cfg),
-                         **_pool_options(cfg))
+    return MaxTextEngine(model_config, devices, engine_options(cfg, pad_id, eos_ids),
+                         weight_dtype=cfg.rollout_weight_dtype or None)
 
 
 def vllm_engine(cfg: Config, model_config, devices, pad_id: int,

@@ -17,7 +17,8 @@ from tunix.generate import sampler as tunix_sampler
 
 from tunix_mcjax.bench.engine.workload import EOS_ID, MAXTEXT_MODELS, PAD_ID, IdTokenizer, model_of
 from tunix_mcjax.engine import paged_attention
-from tunix_mcjax.engine.jax_engine import JaxEngine, pow2_at_least
+from tunix_mcjax.engine.buckets import pow2_at_least
+from tunix_mcjax.engine.jax_engine import JaxEngine
 from tunix_mcjax.engine.qwen3_forward import Qwen3PagedModel
 
 
@@ -69,7 +70,7 @@ def engine_arm(
     engine.load_weights(params)
     engine.generate(prompts, sampling, seed=0)  # compile
     info = {"decode_batch": min(batch, pow2_at_least(profile.requests)),
-            "pool_pages": engine.num_pages, "page_size": engine.page_size,
+            "pool_pages": engine.num_pages, "page_size": engine.options.page_size,
             "layout": type(resolve_layout(layout)).__name__}
 
     def measure(rep: int) -> dict[str, float]:

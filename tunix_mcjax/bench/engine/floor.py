@@ -19,7 +19,8 @@ from tunix_mcjax.bench.engine.arms import Measure, resolve_layout, timed
 from tunix_mcjax.bench.engine.workload import EngineProfile, model_of
 from tunix_mcjax.engine import paged_attention, pages
 from tunix_mcjax.engine import qwen3_forward as fwd
-from tunix_mcjax.engine.jax_engine import flatten_tree, pow2_at_least, unflatten_tree
+from tunix_mcjax.engine.buckets import pow2_at_least
+from tunix_mcjax.engine.trees import flatten_tree, unflatten_tree
 
 
 def paged_rows(tokens, positions, tables, prefix=None) -> fwd.PagedRows:

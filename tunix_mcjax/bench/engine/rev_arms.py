@@ -24,7 +24,7 @@ import numpy as np
 
 from tunix_mcjax.bench.engine.arms import Measure
 from tunix_mcjax.bench.engine.workload import MODEL_FIELDS, model_of
-from tunix_mcjax.engine.jax_engine import pow2_at_least
+from tunix_mcjax.engine.buckets import pow2_at_least
 
 PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding tunix_mcjax
 # A revision's arm runs in a worker, so it is compared with this tree's engine in one.

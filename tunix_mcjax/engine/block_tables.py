@@ -1,0 +1,92 @@
+"""The block tables of the loop's prompts and rows, and the pool's bookkeeping: pages go back
+to the free stack (`engine.pages`) when rows finish or are preempted and when a prompt no
+request needs is evicted; the peak of pages in use is recorded.
+
+A row's table starts with its prompt's full pages, shared with the prompt's other rows, then
+pages of its own: a copy of the prompt's partly filled last page and the pages it decodes into.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from tunix_mcjax.engine import pages as pg
+from tunix_mcjax.engine.loop_state import (
+    ABSENT,
+    Inputs,
+    LoopState,
+    ProgramShape,
+    replace,
+)
+from tunix_mcjax.engine.scatter import add_where, set_where
+
+
+def release_pages(state: LoopState, pages: jax.Array, release: jax.Array) -> LoopState:
+    return replace(state, free=pg.give(state.free, pages, release))
+
+
+def evict_prompts(state: LoopState, evict: jax.Array) -> LoopState:
+    """Give back the pages of the prompts where `evict` [U]; they are prefilled again if needed."""
+    state = release_pages(state, state.prompts.tables, evict[:, None])
+    return replace(state, prompts=replace(
+        state.prompts,
+        tables=jnp.where(evict[:, None], -1, state.prompts.tables),
+        status=jnp.where(evict, ABSENT, state.prompts.status),
+    ))
+
+
+def private_pages(shape: ProgramShape, prompt_len: jax.Array) -> jax.Array:
+    """bool [B, table_pages]: the table entries a row owns (not its prompt's shared pages)."""
+    return jnp.arange(shape.table_pages)[None, :] >= (prompt_len // shape.page_size)[:, None]
+
+
+def admission_tables(shape: ProgramShape, state: LoopState, prompt: jax.Array, full: jax.Array,
+                     copied: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array, pg.FreeStack]:
+    """The block tables of rows admitted on `prompt` [B] with `full` [B] full pages: those
+    pages, then, where `copied`, a page of the row's own for a copy of the prompt's partly
+    filled last page. Returns (tables [B, table_pages], the copies' pages [B] (-1: none), the
+    prompt pages they copy [B], the free stack after)."""
+    column = jnp.arange(shape.table_pages)
+    copy, free = pg.take(state.free, copied)
+    prompt_pages = state.prompts.tables[prompt]
+    last = shape.prompt_pages - 1
+    shared = jnp.where(column[None] < full[:, None],
+                       prompt_pages[:, jnp.minimum(column, last)], -1)
+    tables = jnp.where(column[None] == full[:, None], copy[:, None], shared)
+    source = jnp.take_along_axis(prompt_pages, jnp.minimum(full, last)[:, None],
+                                 axis=1)[:, 0]
+    return tables, copy, source, free
+
+
+def row_prompts(inp: Inputs, state: LoopState) -> jax.Array:
+    """int32 [B]: each row's prompt (0 for a row of a padding request)."""
+    return jnp.maximum(inp.request_prompts[state.rows.request], 0)
+
+
+def vacate_rows(shape: ProgramShape, inp: Inputs, state: LoopState, rows: jax.Array,
+                finished: jax.Array) -> LoopState:
+    """Rows where `rows` leave the batch (finished, or preempted): their own pages go back, and
+    a prompt whose requests all finished gives its pages back too."""
+    prompt = row_prompts(inp, state)
+    owned = private_pages(shape, inp.prompt_lens[prompt]) & rows[:, None]
+    state = release_pages(state, state.rows.tables, owned)
+    request = state.rows.request
+    left = add_where(state.prompts.left, prompt, -1, rows & finished)
+    state = replace(
+        state,
+        rows=replace(state.rows, active=state.rows.active & ~rows,
+                     tables=jnp.where(rows[:, None], -1, state.rows.tables)),
+        requests=replace(state.requests,
+                         running=set_where(state.requests.running, request, False, rows),
+                         done=set_where(state.requests.done, request, True, rows & finished)),
+        prompts=replace(state.prompts, rows=add_where(state.prompts.rows, prompt, -1, rows),
+                        left=left),
+    )
+    return evict_prompts(state, (left == 0) & (state.prompts.status != ABSENT))
+
+
+def note_usage(state: LoopState) -> LoopState:
+    used = state.free.pages.shape[0] - state.free.count
+    return replace(state, stats=replace(state.stats, peak_pages=jnp.maximum(
+        state.stats.peak_pages, used)))
