@@ -509,12 +509,13 @@ def floor_arm(profile, params, batch: int, steps: int = 32,
     page = pages.DEFAULT_PAGE_SIZE
     table = pages.cdiv(prompt_bucket + steps, page)
     device = jax.devices()[0]
-    params = jax.device_put(unflatten_tree(flatten_tree(params)), device)
     num_pages = (batch + profile.prompts) * table
     layout = resolve_layout(layout)
     mc = model_of(profile)
-    pool = jax.device_put([layout.empty(num_pages, page, mc.num_kv_heads, mc.head_dim,
-                                        mc.dtype) for _ in range(mc.num_layers)], device)
+    params = jax.device_put(fwd.stack_layers(unflatten_tree(flatten_tree(params)),
+                                             mc.num_layers), device)
+    pool = jax.device_put(layout.empty(num_pages, page, mc.num_kv_heads, mc.head_dim, mc.dtype,
+                                       layers=mc.num_layers), device)
 
     def rows(tokens, positions, tables, prefix=None):
         n, c = tokens.shape
