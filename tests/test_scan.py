@@ -16,8 +16,10 @@ from flax import nnx  # noqa: E402
 from tests.test_paged import combined_layer, ragged_case, split_layer  # noqa: E402
 from tunix_mcjax import config, models  # noqa: E402
 from tunix_mcjax.engine import paged_attention as pa  # noqa: E402
+from tunix_mcjax.engine.base import SamplingParams  # noqa: E402
 from tunix_mcjax.engine.jax_engine import JaxEngine, flatten_tree  # noqa: E402
 from tunix_mcjax.engine.qwen3_forward import PagedRows  # noqa: E402
+from tunix_mcjax.train import lora  # noqa: E402
 
 VOCAB = 64
 LAYERS = 3
@@ -146,3 +148,31 @@ def test_the_program_holds_one_layer_body_whatever_the_depth():
         return len(re.findall(r"stablehlo\.dot_general", text))
     assert dots(shallow) == dots(deep) > 7  # q, k, v, o, gate, up, down and attention
     assert abs(len(deep) - len(shallow)) < 0.02 * len(shallow)
+
+
+def test_lora_adapters_on_some_layers_decode_as_the_trainers_forward():
+    """Adapters on layer 1's q and down projections only (nonzero B): the engine stacks them
+    with zeros in the other layers, and its greedy tokens are the argmax of the trainer's own
+    forward (`qwen3_policy`, equal to Tunix's LoRA model: test_lora) at every step."""
+    from tunix_mcjax.train.trainer import qwen3_policy
+
+    cfg = config.load_config(None, [f"base_num_decoder_layers={LAYERS}", "lora_rank=4",
+                                    "lora_alpha=8", "lora_module_path=layers/1/.*(q|down)_proj"])
+    mc = models.model_config(cfg, vocab_size=VOCAB, for_sampling=True)
+    model = lora.add_adapters(models.create_model(mc, 0))
+    for i, (_, v) in enumerate(nnx.to_flat_state(nnx.state(model, nnx.LoRAParam))):
+        v.set_value(jax.random.normal(jax.random.key(i), v.get_value().shape) * 0.3)
+    engine = JaxEngine(mc, jax.devices()[:1], pad_id=0, eos_ids=(1,), max_prompt_length=8,
+                       max_new_tokens=4)
+    engine.load_weights(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    greedy = SamplingParams(max_new_tokens=4, greedy=True, ignore_eos=True)
+    prompt = [5, 9, 3]
+    (out,) = engine.generate([prompt], greedy, seed=0)
+    seq = jnp.array([prompt + out.tokens.tolist()], jnp.int32)
+    policy, _ = qwen3_policy(model)
+    logits = np.array(policy.forward(model, seq, jnp.arange(seq.shape[1])[None],
+                                       jnp.ones_like(seq)))[0, len(prompt) - 1:-1]
+    want = jax.nn.log_softmax(logits)[np.arange(len(out.tokens)), out.tokens]
+    logits[:, 0] = -np.inf  # pad is never sampled
+    np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
+    np.testing.assert_allclose(out.logprobs, want, atol=1e-4)
