@@ -71,9 +71,10 @@ class StackedParams(Mapping):
                              f"model's {self.num_layers}")
         sharding = stacked_sharding(leaf)
         stack = self._stacks.get(stacked)
-        if stack is None:
-            stack = _zeros((self.num_layers, *leaf.shape), leaf.dtype, sharding)()
-        self._stacks[stacked] = _setter(sharding)(stack, leaf, index)
+        with jax.set_mesh(sharding.mesh):  # not the trainer's mesh a publish may run under
+            if stack is None:
+                stack = _zeros((self.num_layers, *leaf.shape), leaf.dtype, sharding)()
+            self._stacks[stacked] = _setter(sharding)(stack, leaf, index)
         self._loaded[path] = None
 
     def __getitem__(self, path: LeafPath) -> jax.Array:
