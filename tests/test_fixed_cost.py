@@ -48,7 +48,8 @@ def test_sharded_compute_keeps_the_partitioners_collectives(fixed_cost):
 @pytest.mark.parametrize("mode", ["single_call=True", "single_call=False"])
 def test_published_weights_equal_the_trainers_exactly(fixed_cost, layout, mode):
     """After each of two steps, every engine replica holds the trainer's params bit for bit;
-    from the flat step, without a gather and in the trainer's own buffers (no copy on load)."""
+    from the flat step, without a gather and, outside the layers the engine stacks, in the
+    trainer's own buffers (no copy on load)."""
     flat = fixed_cost[layout]["flat"]
     for check in fixed_cost[layout]["publish"]:
         assert check["finite"] == 1.0

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -30,6 +30,7 @@ from tunix_mcjax.engine import pages
 from tunix_mcjax.engine.base import Completion, Engine, SamplingParams
 from tunix_mcjax.engine.buckets import pack_prompts, pow2_at_least, prompt_bucket
 from tunix_mcjax.engine.decode_loop import build_program
+from tunix_mcjax.engine.layer_stack import StackedParams
 from tunix_mcjax.engine.loop_state import DecodeModel, Inputs, Outputs, ProgramShape
 from tunix_mcjax.engine.options import EngineOptions, options_of
 from tunix_mcjax.engine.paged_attention import layout_for
@@ -134,7 +135,7 @@ class JaxEngine(Engine):
                                                            opts.hbm_utilization, tp)
         self._check_pool()
         self.pool_bytes = self.num_pages * self._page_bytes(tp) * len(devices)  # all replicas
-        self._params: list[dict[LeafPath, jax.Array]] = [{} for _ in self.meshes]
+        self._params: list[Any] = [self._param_store() for _ in self.meshes]
         self._pools: list[Any] = [None for _ in self.meshes]
         self._replica_models: dict[int, DecodeModel] = {}
         self._programs: dict[tuple[Any, ...], Any] = {}
@@ -167,9 +168,13 @@ class JaxEngine(Engine):
             self._replica_models[mesh_index] = self._decode_model(self.meshes[mesh_index])
         return self._replica_models[mesh_index]
 
-    def _tree(self, flat: Mapping[LeafPath, Any]) -> dict[str, Any]:
-        """The nested param tree the decode model takes."""
-        return unflatten_tree(flat)
+    def _param_store(self) -> Any:
+        """A replica's loaded params, by path: Tunix's layers held stacked for the scan."""
+        return StackedParams(self.model_config.num_layers)
+
+    def _tree(self, flat: Any) -> dict[str, Any]:
+        """The nested param tree the decode model takes (its layers stacked)."""
+        return flat.tree()
 
     @property
     def num_replicas(self) -> int:
@@ -256,8 +261,9 @@ class JaxEngine(Engine):
         return jax.device_put(source.astype(spec.dtype), sharding)
 
     def weights(self, replica: int = 0) -> dict[str, Any]:
-        """The param tree replica `replica` decodes with (a nested dict of jax Arrays)."""
-        return self._tree(self._params[replica])
+        """The param tree replica `replica` decodes with (a nested dict of jax Arrays), in
+        Tunix's per-layer layout (the engine holds its layers stacked)."""
+        return unflatten_tree(dict(self._params[replica]))
 
     def _missing_params(self) -> list[str]:
         return ["/".join(p) for p in self._leaf_specs if p not in self._params[0]]

@@ -112,6 +112,9 @@ class MaxTextEngine(JaxEngine):
                 for path in moved:
                     replica_params[path] = expert_minor(replica_params[path])
 
+    def _param_store(self) -> dict[LeafPath, Any]:
+        return {}
+
     def weights(self, replica: int = 0) -> dict[str, Any]:
         """The param tree replica `replica` decodes with, in MaxText's layout."""
         return expert_major(self._tree(self._params[replica]), self._minor_keys)

@@ -24,6 +24,10 @@ sees keys at positions p - window < k <= p, by token position, MaxText's LOCAL_S
 - `CombinedPages` (TPU): one array `[pages, page_size, 2 * kv_heads, head_dim]`, keys at even and
   values at odd heads, read by the Pallas kernel shipped with JAX after packing the rows'
   queries into its token layout (`rpa_arguments`). The kernel only reads; the model writes.
+
+A model that scans its layers keeps one stacked pool (`empty(..., layers=L)`) in the scan's carry
+and passes each method the layer's index (`layer`): writes and reads index the pool at (layer,
+page, slot) directly, so XLA updates it in place and never copies a layer's pages out of it.
 """
 
 from __future__ import annotations
@@ -161,49 +165,61 @@ def page_buckets(max_pages: int) -> tuple[int, ...]:
 
 class SplitPages:
     """Keys and values `[kv_heads, pages, page_size, head_dim]` each; XLA attention over the
-    live pages. A layer's pool is the pair (keys, values)."""
+    live pages. A layer's pages are the pair (keys, values). The engine's pool stacks every
+    layer's, `[kv_heads, layers, pages, page_size, head_dim]` each (`empty(..., layers=L)`):
+    given `layer` (an index, traced or not), a method writes and reads that layer's pages in
+    the stacked pool in place, one scatter or gather with the layer as an index, never a
+    slice of the pool; `layer=None` takes a single layer's pages."""
 
     def empty(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-              dtype: Any) -> tuple[jax.Array, jax.Array]:
-        shape = (kv_heads, num_pages, page_size, head_dim)
+              dtype: Any, layers: int | None = None) -> tuple[jax.Array, jax.Array]:
+        shape = (kv_heads, *([layers] if layers else []), num_pages, page_size, head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
     def spec(self, pages_axis: str | None) -> P:
-        """The partition of one pool array: kv heads over `tp` (and pages over `pages_axis`)."""
-        return P("tp", pages_axis, None, None)
+        """The partition of one array of the stacked pool: kv heads over `tp` (and pages over
+        `pages_axis`)."""
+        return P("tp", None, pages_axis, None, None)
 
-    def write(self, layer, pages, offsets, k, v):
+    def write(self, pool, pages, offsets, k, v, layer=None):
         """Token (r, c)'s k/v [R, C, K, H] at `pages[r, c]` (out of range: dropped), slot
-        `offsets[r, c]`."""
-        def put(x, new):
-            return x.at[:, pages, offsets].set(jnp.moveaxis(new, 2, 0).astype(x.dtype),
-                                               mode="drop")
-        return put(layer[0], k), put(layer[1], finite_values(v))
+        `offsets[r, c]`, of layer `layer`."""
+        at = (slice(None),) if layer is None else (slice(None), layer)
 
-    def copy_page(self, layer, source, target):
-        """Pages `target` hold pages `source` (ids; a target past the pool is dropped)."""
-        return tuple(x.at[:, target].set(x[:, source], mode="drop") for x in layer)
+        def put(x, new):  # the index dims sit where pages were: [K, R, C, H]
+            return x.at[(*at, pages, offsets)].set(jnp.moveaxis(new, 2, 0).astype(x.dtype),
+                                                   mode="drop")
+        return put(pool[0], k), put(pool[1], finite_values(v))
 
-    def sequences(self, layer, tables, num_pages: int):
+    def copy_page(self, pool, source, target):
+        """Pages `target` hold pages `source` (ids; a target past the pool is dropped), in
+        every layer at once."""
+        return tuple(x.at[..., target, :, :].set(x[..., source, :, :], mode="drop")
+                     for x in pool)
+
+    def sequences(self, pool, tables, num_pages: int, layer=None):
         """Each row's keys and values [K, R, num_pages * page_size, H] from its first
-        `num_pages` table entries."""
-        kv_heads, pool, page_size, head_dim = layer[0].shape
-        # One index per (kv head, row, entry) into the pool seen as [K * pages, page * H]: each
-        # gathered slice is one contiguous page, and the result is already [K, R, n, page * H],
-        # so no transpose follows (XLA's CPU gather of [K, 1, page, H] slices is ~3x slower).
+        `num_pages` table entries, in layer `layer`."""
+        kv_heads, *stack, pool_pages, page_size, head_dim = pool[0].shape
+        layers, index_of_layer = (stack[0], layer) if stack else (1, 0)
+        # One index per (kv head, row, entry) into the pool seen as [K * L * pages, page * H]:
+        # each gathered slice is one contiguous page, and the result is already
+        # [K, R, n, page * H], so no transpose follows (XLA's CPU gather of [K, 1, page, H]
+        # slices is ~3x slower).
         entries = jnp.maximum(tables[:, :num_pages], 0)
-        index = jnp.arange(kv_heads)[:, None, None] * pool + entries[None]
+        index = ((jnp.arange(kv_heads)[:, None, None] * layers + index_of_layer) * pool_pages
+                 + entries[None])
 
-        def gather(x):  # [K, pages, page, H] -> [K, R, n * page, H]
-            g = x.reshape(kv_heads * pool, page_size * head_dim)[index]
+        def gather(x):  # [K, (L,) pages, page, H] -> [K, R, n * page, H]
+            g = x.reshape(-1, page_size * head_dim)[index]
             # The barrier keeps the reshape out of the gather's loop: fused, XLA's CPU gather
             # copies head_dim floats at a time, not a page, and gather + dots run ~1.4x longer.
             g = jax.lax.optimization_barrier(g)
             return g.reshape(kv_heads, tables.shape[0], num_pages * page_size, head_dim)
-        return gather(layer[0]), gather(layer[1])
+        return gather(pool[0]), gather(pool[1])
 
-    def attend(self, q, layer, tables, kv_lens, q_lens, *, prefix: SharedPrefix | None = None,
-               sinks=None, **options) -> jax.Array:
+    def attend(self, q, pool, tables, kv_lens, q_lens, *, prefix: SharedPrefix | None = None,
+               sinks=None, layer=None, **options) -> jax.Array:
         """`options`: `attend_rows`' window, sinks, scale and soft_cap.
 
         Decode rows (one query each) read their own pages up to the longest live row
@@ -213,25 +229,27 @@ class SplitPages:
         per layer instead of one per gather size keeps the program small (a 28-layer model's
         compiles for minutes on GPU with a switch in every layer's prefill)."""
         if q.shape[1] > 1:
-            return attend_rows(q, *self.sequences(layer, tables, tables.shape[1]), kv_lens,
-                               q_lens, sinks=sinks, **options)
-        kv_heads = layer[0].shape[0]
+            return attend_rows(q, *self.sequences(pool, tables, tables.shape[1], layer),
+                               kv_lens, q_lens, sinks=sinks, **options)
+        kv_heads = pool[0].shape[0]
         qg = head_groups(q, kv_heads)[:, :, 0]  # [K, R, G, H]: one query a row
+        own = functools.partial(self.attend_own, qg, pool, tables, kv_lens, q_lens, layer=layer,
+                                **options)
         if prefix is None:
-            first = jnp.zeros_like(kv_lens)
-            parts = [self.attend_own(qg, layer, tables, kv_lens, q_lens, first, **options)]
+            parts = [own(jnp.zeros_like(kv_lens))]
         else:
-            shared, first = self.attend_shared(qg, layer, kv_lens, q_lens, prefix, **options)
-            parts = [shared, self.attend_own(qg, layer, tables, kv_lens, q_lens, first,
-                                             **options)]
+            shared, first = self.attend_shared(qg, pool, kv_lens, q_lens, prefix, layer=layer,
+                                               **options)
+            parts = [shared, own(first)]
         return rows_of(combine(parts, sinks, kv_heads)[:, :, None], q_lens)
 
-    def attend_shared(self, qg, layer, kv_lens, q_lens, prefix: SharedPrefix, **options):
+    def attend_shared(self, qg, pool, kv_lens, q_lens, prefix: SharedPrefix, *, layer=None,
+                      **options):
         """Decode queries qg [K, R, G, H] over their prompts' full pages, gathered once per
         prompt and attended by that prompt's rows together: a group of G samples reads its
         prompt's keys once, not G times. Returns ((outputs, log-sum-exp) per row, each row's
         first own table entry)."""
-        page_size = layer[0].shape[2]
+        page_size = pool[0].shape[-2]
         num_prompts, width = prefix.tables.shape
         live = q_lens > 0
         q_pos = kv_lens - 1
@@ -243,33 +261,34 @@ class SplitPages:
         block_pos = jnp.zeros((num_prompts, prefix.group), jnp.int32).at[prompt, rank].set(
             q_pos, mode="drop")
         k_pos = jnp.broadcast_to(jnp.arange(width * page_size), (num_prompts, width * page_size))
-        out, lse = attend_keys(block_q, *self.sequences(layer, prefix.tables, width), block_pos,
-                               k_pos, k_pos < (prefix.pages * page_size)[:, None], **options)
+        out, lse = attend_keys(block_q, *self.sequences(pool, prefix.tables, width, layer),
+                               block_pos, k_pos, k_pos < (prefix.pages * page_size)[:, None],
+                               **options)
         back = (jnp.minimum(prompt, num_prompts - 1), rank)
         first = jnp.where(live, prefix.pages[back[0]], 0)
         return (out[:, back[0], back[1]], lse[:, back[0], back[1]]), first
 
-    def attend_own(self, qg, layer, tables, kv_lens, q_lens, first, **options):
+    def attend_own(self, qg, pool, tables, kv_lens, q_lens, first, *, layer=None, **options):
         """Decode queries qg [K, R, G, H] over their tables from entry `first` [R] on, up to
         the longest live row's pages (n from `page_buckets`, a `lax.switch` over them):
         (outputs, log-sum-exp) per row."""
-        page_size = layer[0].shape[2]
+        page_size = pool[0].shape[-2]
         own_pages = jnp.where(q_lens > 0, (kv_lens + page_size - 1) // page_size - first, 0)
         buckets = page_buckets(tables.shape[1])
         index = jnp.sum(jnp.asarray(buckets[:-1]) < jnp.max(own_pages))
 
         def branch(n):
-            def attend_n(qg, layer, tables, kv_lens, first):
+            def attend_n(qg, pool, tables, kv_lens, first):
                 columns = jnp.minimum(first[:, None] + jnp.arange(n)[None], tables.shape[1] - 1)
                 own = jnp.take_along_axis(tables, columns, axis=1)
                 k_pos = first[:, None] * page_size + jnp.arange(n * page_size)[None]
-                out, lse = attend_keys(qg[:, :, None], *self.sequences(layer, own, n),
+                out, lse = attend_keys(qg[:, :, None], *self.sequences(pool, own, n, layer),
                                        (kv_lens - 1)[:, None], k_pos, k_pos < kv_lens[:, None],
                                        **options)
                 return out[:, :, 0], lse[:, :, 0]
             return attend_n
 
-        return jax.lax.switch(index, [branch(n) for n in buckets], qg, layer, tables, kv_lens,
+        return jax.lax.switch(index, [branch(n) for n in buckets], qg, pool, tables, kv_lens,
                               first)
 
 
@@ -282,13 +301,16 @@ class GpuPages(SplitPages):
     def __init__(self, interpret: bool = False):
         self.interpret = interpret
 
-    def attend(self, q, layer, tables, kv_lens, q_lens, *, prefix: SharedPrefix | None = None,
+    def attend(self, q, pool, tables, kv_lens, q_lens, *, prefix: SharedPrefix | None = None,
                window: int | None = None, sinks=None, scale: float | None = None,
-               soft_cap: float | None = None) -> jax.Array:
-        """The kernel reads each row's pages by its table; `prefix` is for the XLA path."""
+               soft_cap: float | None = None, layer=None) -> jax.Array:
+        """The kernel reads each row's pages by its table (layer `layer`'s pages of a stacked
+        pool by their ids in the pool seen as [K, L * pages, ...]); `prefix` is for the XLA
+        path."""
         if q.shape[1] != 1 or window or sinks is not None:
-            return super().attend(q, layer, tables, kv_lens, q_lens, prefix=prefix,
-                                  window=window, sinks=sinks, scale=scale, soft_cap=soft_cap)
+            return super().attend(q, pool, tables, kv_lens, q_lens, prefix=prefix,
+                                  window=window, sinks=sinks, scale=scale, soft_cap=soft_cap,
+                                  layer=layer)
         with warnings.catch_warnings():  # JAX marks the module deprecated; it ships in 0.12
             warnings.simplefilter("ignore", DeprecationWarning)
             from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
@@ -297,7 +319,9 @@ class GpuPages(SplitPages):
         splits = largest_divisor(width, 16)  # the kernel splits a table into equal partitions
         per_block = largest_divisor(width // splits, 8)
         scaled = q[:, 0] * (q.shape[-1]**-0.5 if scale is None else scale)
-        out = paged_attention(scaled, layer[0], layer[1], jnp.maximum(tables, 0),
+        k_pages, v_pages = (x.reshape(x.shape[0], -1, *x.shape[-2:]) for x in pool)
+        first_page = 0 if layer is None else layer * pool[0].shape[-3]
+        out = paged_attention(scaled, k_pages, v_pages, jnp.maximum(tables, 0) + first_page,
                               jnp.where(q_lens > 0, kv_lens, 0).astype(jnp.int32),
                               k_splits=splits, pages_per_compute_block=per_block,
                               attn_logits_soft_cap=soft_cap or None, interpret=self.interpret)
@@ -311,32 +335,47 @@ def largest_divisor(n: int, at_most: int) -> int:
 
 class CombinedPages:
     """One array `[pages, page_size, 2 * kv_heads, head_dim]`, keys at even and values at odd
-    combined heads: the layout of JAX's TPU `ragged_paged_attention`, which attends."""
+    combined heads: the layout of JAX's TPU `ragged_paged_attention`, which attends. The
+    engine's pool stacks every layer's, `[layers, pages, page_size, 2 * kv_heads, head_dim]`:
+    `layer` as in SplitPages; the kernel reads the stacked pool as `[layers * pages, ...]`."""
 
     def empty(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
-              dtype: Any) -> jax.Array:
-        return jnp.zeros((num_pages, page_size, 2 * kv_heads, head_dim), dtype)
+              dtype: Any, layers: int | None = None) -> jax.Array:
+        return jnp.zeros((*([layers] if layers else []), num_pages, page_size, 2 * kv_heads,
+                          head_dim), dtype)
 
     def spec(self, pages_axis: str | None) -> P:
-        return P(pages_axis, None, "tp", None)
+        """The partition of the stacked pool: combined heads over `tp` (and pages over
+        `pages_axis`)."""
+        return P(None, pages_axis, None, "tp", None)
 
-    def write(self, layer, pages, offsets, k, v):
+    def write(self, pool, pages, offsets, k, v, layer=None):
         kv = jnp.stack([k, finite_values(v)], axis=-2)  # [..., K, 2, H]: k, v alternate
         kv = kv.reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
-        return layer.at[pages, offsets].set(kv.astype(layer.dtype), mode="drop")
+        at = () if layer is None else (layer,)
+        return pool.at[(*at, pages, offsets)].set(kv.astype(pool.dtype), mode="drop")
 
-    def copy_page(self, layer, source, target):
-        return layer.at[target].set(layer[source], mode="drop")
+    def copy_page(self, pool, source, target):
+        """Pages `target` hold pages `source`, in every layer at once."""
+        return pool.at[..., target, :, :, :].set(pool[..., source, :, :, :], mode="drop")
 
-    def sequences(self, layer, tables, num_pages: int):
+    @staticmethod
+    def pages_of(pool, tables, layer=None):
+        """(The pool as one run of pages [(L *) pages, page, 2K, H], `tables` as ids in it;
+        a -1 entry, past a row's pages, as the layer's first page)."""
+        first_page = 0 if layer is None else layer * pool.shape[-4]
+        return pool.reshape(-1, *pool.shape[-3:]), jnp.maximum(tables, 0) + first_page
+
+    def sequences(self, pool, tables, num_pages: int, layer=None):
         """Each row's keys and values [K, R, num_pages * page_size, H] (as SplitPages')."""
-        g = layer[jnp.maximum(tables[:, :num_pages], 0)]  # [R, n, page, 2K, H]
+        flat, tables = self.pages_of(pool, tables, layer)
+        g = flat[tables[:, :num_pages]]  # [R, n, page, 2K, H]
         g = jnp.moveaxis(g.reshape(tables.shape[0], -1, *g.shape[3:]), 2, 0)  # [2K, R, L, H]
         return g[0::2], g[1::2]
 
-    def attend(self, q, layer, tables, kv_lens, q_lens, *, prefix: SharedPrefix | None = None,
+    def attend(self, q, pool, tables, kv_lens, q_lens, *, prefix: SharedPrefix | None = None,
                window: int | None = None, sinks=None, scale: float | None = None,
-               soft_cap: float | None = None) -> jax.Array:
+               soft_cap: float | None = None, layer=None) -> jax.Array:
         """The kernel reads each row's pages by its table; `prefix` is not needed."""
         if sinks is not None:
             raise NotImplementedError("JAX's TPU ragged_paged_attention has no attention sinks "
@@ -345,9 +384,10 @@ class CombinedPages:
             ragged_paged_attention,
         )
 
+        kv_pages, tables = self.pages_of(pool, tables, layer)
         args, where = rpa_arguments(q, tables, kv_lens, q_lens)
         packed, lens, indices, cu_q_lens, num_seqs = args
-        out = ragged_paged_attention(packed, layer, lens, indices, cu_q_lens, num_seqs,
+        out = ragged_paged_attention(packed, kv_pages, lens, indices, cu_q_lens, num_seqs,
                                      sm_scale=q.shape[-1]**-0.5 if scale is None else scale,
                                      sliding_window=window or None, soft_cap=soft_cap or None)
         return unpack_rows(out, where, q.shape)

@@ -4,7 +4,9 @@ Numerically it follows `tunix.models.qwen3.model` (per-head q/k RMSNorm, RoPE, G
 and logits). Unlike Tunix's cache, which writes every row at one shared index, each token here
 writes its key/value into the page and slot its row's block table gives (`engine.pages`), so
 rows can be at different points of their sequences and share prompt pages.
-Params are the nested dict of `nnx.to_pure_dict(nnx.state(model, nnx.Param))` with string keys.
+Params are the nested dict of `nnx.to_pure_dict(nnx.state(model, nnx.Param))` with string keys,
+except that the paged forward takes its decoder layers stacked (`layers/<name>` [L, ...] instead
+of `layers/<i>/<name>`: `stack_layers`) and scans one layer body over them, whatever the depth.
 """
 
 from __future__ import annotations
@@ -128,33 +130,43 @@ def _logits(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
     return logits.astype(jnp.float32)
 
 
+def stack_layers(params: Params, num_layers: int) -> Params:
+    """Tunix's tree (`layers/<i>/...`) with its decoder layers stacked: `layers/...` [L, ...]."""
+    layers = [params["layers"][str(i)] for i in range(num_layers)]
+    return {**params, "layers": jax.tree.map(lambda *x: jnp.stack(x), *layers)}
+
+
 def paged_forward(
     cfg: ModelConfig,
     params: Params,
-    pool: list[Any],
+    pool: Any,
     rows: PagedRows,
     layout: PageLayout,
-) -> tuple[jax.Array, list[Any]]:
+) -> tuple[jax.Array, Any]:
     """Rows of tokens through the model over a page pool -> (fp32 logits [R, V] at each row's
-    `logit_cols`, the pool with every real token's key/value written).
+    `logit_cols`, the pool with every real token's key/value written). `params` has its layers
+    stacked (`stack_layers`); the pool is the layout's stacked one (`empty(..., layers=L)`).
 
-    Each layer writes its keys/values into the pool before attending, so a row's queries see
+    One `lax.scan` over the layers carries the hidden states and the whole pool: layer l
+    writes its keys/values at (l, page, slot) in place, then attends, so a row's queries see
     the tokens of the same call that precede them (a prefill chunk) as well as earlier ones."""
     r = rows.tokens.shape[0]
     x = embed_tokens(cfg, params, rows.tokens)
-    new_pool = []
-    for i in range(cfg.num_layers):
-        layer_pool = pool[i]
 
-        def attend(q, k, v, layer_pool=layer_pool):
-            written = layout.write(layer_pool, rows.write_pages, rows.write_offsets, k, v)
+    def layer_step(carry, layer_params):
+        x, pool, index = carry
+
+        def attend(q, k, v):
+            written = layout.write(pool, rows.write_pages, rows.write_offsets, k, v, layer=index)
             return layout.attend(q, written, rows.tables, rows.kv_lens, rows.q_lens,
-                                 prefix=rows.prefix), written
+                                 prefix=rows.prefix, layer=index), written
 
-        x, layer_pool = decoder_layer(cfg, params["layers"][str(i)], x, rows.positions, attend)
-        new_pool.append(layer_pool)
+        x, pool = decoder_layer(cfg, layer_params, x, rows.positions, attend)
+        return (x, pool, index + 1), None
+
+    (x, pool, _), _ = jax.lax.scan(layer_step, (x, pool, jnp.int32(0)), params["layers"])
     last = x[jnp.arange(r), rows.logit_cols]
-    return _logits(cfg, params, last), new_pool
+    return _logits(cfg, params, last), pool
 
 
 class Qwen3PagedModel:
@@ -166,21 +178,22 @@ class Qwen3PagedModel:
         self.cfg, self.layout, self.mesh = cfg, layout, mesh
         self._pool_makers: dict[tuple[int, int], Any] = {}  # compiled once per pool shape
 
-    def empty_pool(self, num_pages: int, page_size: int) -> list[Any]:
+    def empty_pool(self, num_pages: int, page_size: int) -> Any:
+        """The layout's stacked pool over every layer."""
         cfg = self.cfg
         if (num_pages, page_size) not in self._pool_makers:
             def make():
-                return [self.layout.empty(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
-                                          cfg.dtype) for _ in range(cfg.num_layers)]
+                return self.layout.empty(num_pages, page_size, cfg.num_kv_heads, cfg.head_dim,
+                                         cfg.dtype, layers=cfg.num_layers)
 
             sharding = NamedSharding(self.mesh, self.layout.spec("data"))
             self._pool_makers[num_pages, page_size] = jax.jit(make, out_shardings=sharding)
         return self._pool_makers[num_pages, page_size]()
 
-    def forward(self, params: Params, pool: list[Any], rows: PagedRows):
+    def forward(self, params: Params, pool: Any, rows: PagedRows):
         logits, pool = paged_forward(self.cfg, params, pool, rows, self.layout)
         heads = NamedSharding(self.mesh, self.layout.spec(None))
         return logits, jax.tree.map(lambda p: jax.lax.with_sharding_constraint(p, heads), pool)
 
-    def copy_page(self, pool: list[Any], source: jax.Array, target: jax.Array):
-        return [self.layout.copy_page(layer, source, target) for layer in pool]
+    def copy_page(self, pool: Any, source: jax.Array, target: jax.Array):
+        return self.layout.copy_page(pool, source, target)

@@ -68,10 +68,10 @@ def floor_arm(profile, params, batch: int, steps: int = 32,
     prefill alone, jitted, on `layout` (None: the one the engine picks on this platform)."""
     layout, mc, device = resolve_layout(layout), model_of(profile), jax.devices()[0]
     decode_rows, prefill, num_pages = floor_rows(profile, batch, steps)
-    params = jax.device_put(unflatten_tree(flatten_tree(params)), device)
-    pool = jax.device_put([layout.empty(num_pages, pages.DEFAULT_PAGE_SIZE, mc.num_kv_heads,
-                                        mc.head_dim, mc.dtype) for _ in range(mc.num_layers)],
-                          device)
+    params = jax.device_put(fwd.stack_layers(unflatten_tree(flatten_tree(params)),
+                                             mc.num_layers), device)
+    pool = jax.device_put(layout.empty(num_pages, pages.DEFAULT_PAGE_SIZE, mc.num_kv_heads,
+                                       mc.head_dim, mc.dtype, layers=mc.num_layers), device)
     step = jax.jit(lambda p, pool, r: fwd.paged_forward(mc, p, pool, r, layout),
                    donate_argnums=1)
     state = {"pool": pool}
