@@ -17,9 +17,9 @@ from tunix.rl import algo_core, common
 
 from tunix_mcjax import memory, models
 from tunix_mcjax.config import ConfigError, load_config
-from tunix_mcjax.engine.qwen3_forward import attention as dense_attention
 from tunix_mcjax.train import packing
 from tunix_mcjax.train.loss import chunked_token_logps, token_logps
+from tunix_mcjax.train.qwen3_layer import attention as dense_attention
 from tunix_mcjax.train.segment_attention import segment_attention
 from tunix_mcjax.train.trainer import Trainer, loss_weights, packed_attention_mask, qwen3_policy
 

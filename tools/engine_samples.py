@@ -23,6 +23,9 @@ import argparse  # noqa: E402
 import json  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the tests' model builders
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from tunix.models.qwen3.model import ModelConfig
 
-from tunix_mcjax.engine.qwen3_forward import TUNIX_ROPE_THETA
+from tunix_mcjax.train.qwen3_layer import TUNIX_ROPE_THETA
 
 LeafPath = tuple[str, ...]
 # Tunix layer leaf -> (Hugging Face name under `model.layers.{i}.`, layout).

@@ -1,8 +1,8 @@
 """The trainer's Qwen3 forward over Tunix's param tree, on packed rows.
 
-It is the engine's layer (`engine.qwen3_forward`, numerically Tunix's Qwen3) with blockwise
-segment attention (`segment_attention.py`) instead of a dense [B, T, T] mask, split in two so
-the trainer can score logprobs in chunks: `hidden_states` (final-normed, [B, T, D]) and
+It is Tunix's Qwen3 layer (`qwen3_layer`, which the engine's paged forward computes too) with
+blockwise segment attention (`segment_attention.py`) instead of a dense [B, T, T] mask, split in
+two so the trainer can score logprobs in chunks: `hidden_states` (final-normed, [B, T, D]) and
 `unembed` (fp32 logits for any leading shape).
 """
 
@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from tunix.models.qwen3.model import ModelConfig
 
-from tunix_mcjax.engine.qwen3_forward import decoder_layer, embed_tokens, rms_norm
+from tunix_mcjax.train.qwen3_layer import decoder_layer, embed_tokens, rms_norm
 from tunix_mcjax.train.segment_attention import KEY_BLOCK, segment_attention
 
 Params = dict[Any, Any]
