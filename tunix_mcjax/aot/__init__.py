@@ -1,0 +1,6 @@
+"""Compiling a run's programs for a TPU slice on a host without one (`python -m tunix_mcjax.aot`).
+
+libtpu's compiler (`aot.libtpu`) and a topology's devices (`aot.target`) stand in for the TPU;
+every program of a step is built from shapes only (`aot.programs`) and compiled, and XLA's
+memory and cost analyses are read beside the planner's figures (`aot.report`).
+"""
