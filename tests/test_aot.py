@@ -1,4 +1,5 @@
-"""Compiling for TPU without a TPU (`tunix_mcjax.aot`): libtpu stays out of CPU processes."""
+"""Compiling for TPU without a TPU (`tunix_mcjax.aot`): libtpu stays out of CPU processes, and
+the page layout's kernel takes its block sizes from the target's device kind."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import pytest
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
 
 from tunix_mcjax.aot import libtpu
+from tunix_mcjax.engine.paged_attention import rpa_block_sizes
 
 ROOT = Path(__file__).resolve().parents[1]
 HAVE_LIBTPU = (libtpu.libtpu_dir() / "libtpu" / "libtpu.so").is_file()
@@ -41,3 +45,24 @@ def test_without_libtpu_activate_names_the_make_target(monkeypatch, tmp_path):
     monkeypatch.setenv(libtpu.ENV_DIR, str(tmp_path))
     with pytest.raises(libtpu.LibtpuMissing, match="make setup-tpu-compiler"):
         libtpu.activate()
+
+
+@pytest.mark.parametrize("kind,name,version", [("TPU v5 lite", "TPU v5", 5),
+                                               ("TPU v6 lite", "TPU v6", 6),
+                                               ("TPU7x", "TPU v7", 7)])
+@pytest.mark.parametrize("tokens,pages_per_seq,page_size", [(64, 160, 16), (2048, 64, 32),
+                                                            (128, 32, 128)])
+def test_block_sizes_are_the_kernels_own_for_the_target(monkeypatch, kind, name, version,
+                                                        tokens, pages_per_seq, page_size):
+    """What JAX's lookup gives on a device of that kind, from this CPU process."""
+    monkeypatch.setattr(tuned_block_sizes, "get_tpu_version", lambda: version)
+    monkeypatch.setattr(tuned_block_sizes, "get_device_name", lambda num_devices=None: name)
+    q = jax.ShapeDtypeStruct((tokens, 16, 128), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((4096, page_size, 16, 128), jnp.bfloat16)
+    sizes = rpa_block_sizes(kind, q, pages, pages_per_seq)
+    expected = tuned_block_sizes.get_tuned_block_sizes(jnp.bfloat16, jnp.bfloat16, 16, 8, 128,
+                                                       page_size, tokens, pages_per_seq)
+    assert (sizes["num_kv_pages_per_block"], sizes["num_queries_per_block"]) == expected
+    assert 0 < sizes["vmem_limit_bytes"] <= 96 << 20
+    with pytest.raises(ValueError, match="SplitPages"):
+        rpa_block_sizes("cpu", q, pages, pages_per_seq)
