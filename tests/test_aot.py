@@ -1,9 +1,12 @@
-"""Compiling for TPU without a TPU (`tunix_mcjax.aot`): libtpu stays out of CPU processes, and
-the page layout's kernel takes its block sizes from the target's device kind."""
+"""Compiling for TPU without a TPU (`tunix_mcjax.aot`): libtpu stays out of CPU processes, the
+page layout's kernel takes its block sizes from the target's device kind, and the tiny model's
+engine program (Pallas ragged paged attention on CombinedPages) and train step compile for a
+TPU7x slice with a sane memory verdict from XLA."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -22,6 +25,9 @@ HAVE_LIBTPU = (libtpu.libtpu_dir() / "libtpu" / "libtpu.so").is_file()
 needs_libtpu = pytest.mark.skipif(
     not HAVE_LIBTPU, reason=f"libtpu is not installed under {libtpu.libtpu_dir()}: "
     f"`{libtpu.MAKE_TARGET}` installs it (make test does)")
+# The tiny model at a head size the TPU kernel takes (a multiple of 128 lanes), one layer.
+TINY = ["head_dim=128", "base_num_decoder_layers=1"]
+TPU7X_DEVICE_BYTES = int(94.7 * 2**30)
 
 
 def run(args: list[str], **env: str) -> subprocess.CompletedProcess:
@@ -41,10 +47,11 @@ def test_cpu_processes_do_not_see_libtpu():
     assert {d.platform for d in jax.devices()} == {"cpu"}
 
 
-def test_without_libtpu_activate_names_the_make_target(monkeypatch, tmp_path):
-    monkeypatch.setenv(libtpu.ENV_DIR, str(tmp_path))
-    with pytest.raises(libtpu.LibtpuMissing, match="make setup-tpu-compiler"):
-        libtpu.activate()
+def test_without_libtpu_the_entry_point_names_the_make_target(tmp_path):
+    out = run(["-m", "tunix_mcjax.aot", "recipes/cpu/demo.yml", "--topology", "tpu7x:2x2x1"],
+              TUNIX_MCJAX_LIBTPU=str(tmp_path))
+    assert out.returncode == 3
+    assert "make setup-tpu-compiler" in out.stderr
 
 
 @pytest.mark.parametrize("kind,name,version", [("TPU v5 lite", "TPU v5", 5),
@@ -66,3 +73,24 @@ def test_block_sizes_are_the_kernels_own_for_the_target(monkeypatch, kind, name,
     assert 0 < sizes["vmem_limit_bytes"] <= 96 << 20
     with pytest.raises(ValueError, match="SplitPages"):
         rpa_block_sizes("cpu", q, pages, pages_per_seq)
+
+
+@needs_libtpu
+def test_tiny_model_programs_compile_for_tpu7x(tmp_path):
+    out = run(["-m", "tunix_mcjax.aot", "recipes/cpu/demo.yml", *TINY, "--topology",
+               "tpu7x:2x2x1", "--json", str(tmp_path / "aot.json")])
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    result = json.loads((tmp_path / "aot.json").read_text())
+    assert (result["device_kind"], result["hosts"], result["devices_per_host"]) == ("TPU7x", 1, 8)
+    programs = {row["name"]: row for row in result["programs"]}
+    assert {"engine decode loop", "train step", "engine decode step"} <= set(programs)
+    for row in programs.values():
+        assert row["compiled"] and row["temporaries"] > 0 and row["code"] > 0, row
+        # XLA's argument bytes are the shards we passed (tiled padding aside).
+        assert abs(row["arguments"] / row["argument_shapes_bytes"] - 1) < 0.25, row
+        assert 0 < row["peak"] < TPU7X_DEVICE_BYTES
+    loop = programs["engine decode loop"]
+    assert loop["aliased"] > 0  # the donated page pool is updated in place
+    assert loop["fits"] and programs["train step"]["fits"]
+    cost = result["decode_cost"]
+    assert cost["flops"] > 0 and cost["xla_bytes_accessed"] > 0 and cost["roofline_ms"] > 0
