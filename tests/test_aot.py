@@ -82,7 +82,7 @@ def test_tiny_model_programs_compile_for_tpu7x(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     result = json.loads((tmp_path / "aot.json").read_text())
     assert (result["device_kind"], result["hosts"], result["devices_per_host"]) == ("TPU7x", 1, 8)
-    programs = {row["name"]: row for row in result["programs"]}
+    programs = {row["name"]: row for row in result["compiled"]}
     assert {"engine decode loop", "train step", "engine decode step"} <= set(programs)
     for row in programs.values():
         assert row["compiled"] and row["temporaries"] > 0 and row["code"] > 0, row

@@ -22,20 +22,22 @@ from tunix_mcjax.aot import PROGRAMS, libtpu
 
 
 def load(recipe: str, overrides: list[str]):
+    """A recipe file, or a benchmark profile's keys (as the planner's tables build them)."""
     from tunix_mcjax.bench.plan_tables import profile_config
     from tunix_mcjax.bench.profiles import PROFILES
-    from tunix_mcjax.config import load_config, parse_overrides
+    from tunix_mcjax.config import ConfigError, load_config, parse_overrides
 
     if Path(recipe).is_file():
         return load_config(recipe, overrides)
     if recipe in PROFILES:
         return profile_config(recipe, **parse_overrides(overrides))
-    from tunix_mcjax.config import ConfigError
     raise ConfigError(f"{recipe!r} is neither a recipe file nor a benchmark profile "
                       f"({', '.join(PROFILES)})")
 
 
-def run(cfg, topology: str, which: tuple[str, ...]) -> dict:
+def run(cfg, topology: str, which: tuple[str, ...], save=lambda result: None) -> dict:
+    """Compiles the programs `which` of a step for `topology`; `save` gets the result after
+    each program (a long run leaves what it compiled)."""
     from tunix_mcjax import plan
     from tunix_mcjax.aot import programs, report
     from tunix_mcjax.aot.target import target
@@ -47,16 +49,17 @@ def run(cfg, topology: str, which: tuple[str, ...]) -> dict:
     report.progress(f"{cfg.model_name} on {topology}: {tgt.hosts} hosts x "
                     f"{tgt.devices_per_host} {tgt.device_kind} devices; building programs")
     built, kv = programs.step_programs(cfg, tgt, mc, p, which)
-    rows, cost = [], None
+    result = {"topology": topology, "device_kind": tgt.device_kind, "hosts": tgt.hosts,
+              "devices_per_host": tgt.devices_per_host, "hbm_bytes": tgt.chip.hbm_bytes,
+              "model": cfg.model_name, "programs": list(which), "plan_peak": p.peak,
+              "plan_phases": p.phases, "compiled": [], "decode_cost": None}
     for program in built:
         row, compiled = report.compile_program(program, tgt, p)
-        rows.append(row)
+        result["compiled"].append(row)
         if program.name == "engine decode step" and compiled is not None:
-            cost = report.decode_cost(compiled, tgt, kv)
-    return {"topology": topology, "device_kind": tgt.device_kind, "hosts": tgt.hosts,
-            "devices_per_host": tgt.devices_per_host, "hbm_bytes": tgt.chip.hbm_bytes,
-            "model": cfg.model_name, "plan_peak": p.peak, "plan_phases": p.phases,
-            "programs": rows, "decode_cost": cost}
+            result["decode_cost"] = report.decode_cost(compiled, tgt, kv)
+        save(result)
+    return result
 
 
 def print_result(result: dict) -> int:
@@ -65,15 +68,21 @@ def print_result(result: dict) -> int:
     print(f"{result['model']} on {result['topology']} ({result['hosts']} hosts x "
           f"{result['devices_per_host']} {result['device_kind']} devices of "
           f"{result['hbm_bytes'] / 2**30:.1f} GiB)")
-    for row in result["programs"]:
+    for row in result["compiled"]:
         print("\n".join(report.program_lines(row)))
     if result["decode_cost"]:
         print("\n".join(report.cost_lines(result["decode_cost"])))
-    failing = [row for row in result["programs"] if row.get("fits") is False]
+    failing = [row for row in result["compiled"] if row.get("fits") is False]
     for row in failing:
         print(f"{row['name']} does not fit: change {report.FIX_KEYS[row['phase']]}")
     print("every program fits" if not failing else "does NOT fit")
     return 1 if failing else 0
+
+
+def write_json(path: str | None, result: dict) -> None:
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=1) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -99,14 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         if unknown := set(which) - set(PROGRAMS):
             raise ConfigError(f"--programs: {', '.join(sorted(unknown))} not among "
                               f"{', '.join(PROGRAMS)}")
-        result = run(cfg, args.topology, which)
+        result = run(cfg, args.topology, which,
+                     lambda r: write_json(args.json, {**r, "recipe": args.recipe,
+                                                      "overrides": args.overrides}))
     except (ConfigError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
-    result.update(recipe=args.recipe, overrides=args.overrides, programs=list(which))
-    if args.json:
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return print_result(result)
 
 

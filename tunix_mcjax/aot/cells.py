@@ -25,7 +25,7 @@ def chips(result: dict) -> int:
 
 def rows(result: dict, profile: str) -> list[str]:
     out = []
-    for row in result["programs"]:
+    for row in result["compiled"]:
         if not row["compiled"]:
             out.append(f"| {profile} | {chips(result)} | {row['name']} | - | XLA refused it | "
                        "| | | no |")
