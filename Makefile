@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOSTS ?= 2
 DEVICES ?= 2
 
-.PHONY: setup demo test test-all lint lock clean docs docs-clean
+.PHONY: setup setup-tpu-compiler demo test test-all lint lock clean docs docs-clean
 
 setup: $(VENV)/.patched
 
@@ -28,13 +28,26 @@ $(VENV)/.patched: $(VENV)/.installed $(wildcard patches/maxtext/*.patch patches/
 	$(PY) -m tunix_mcjax.patches apply tunix
 	touch $@
 
+# The TPU compiler for `python -m tunix_mcjax.aot` (compiling for TPU on a host without one):
+# the tpu extra's pinned libtpu wheel, unpacked into a directory no interpreter searches. Only the
+# AOT entry point puts it on sys.path, so every CPU run is as without it (tests/test_aot.py).
+LIBTPU := $(VENV)/libtpu
+LIBTPU_PIN := $(shell grep '^libtpu==' constraints-tpu.txt)
+
+setup-tpu-compiler: $(LIBTPU)/.installed
+
+$(LIBTPU)/.installed: constraints-tpu.txt | $(VENV)/.installed
+	rm -rf $(LIBTPU)
+	$(PY) -m pip install -q --no-deps --target $(LIBTPU) $(LIBTPU_PIN)
+	touch $@
+
 demo: $(VENV)/.patched
 	$(PY) -m tunix_mcjax.launch --hosts $(HOSTS) --devices-per-host $(DEVICES) recipes/cpu/demo.yml
 
-test: $(VENV)/.patched
+test: $(VENV)/.patched $(LIBTPU)/.installed
 	$(PY) -m pytest -q --durations=25  # the slowest tests: the suite's time budget
 
-test-all: $(VENV)/.patched
+test-all: $(VENV)/.patched $(LIBTPU)/.installed
 	$(PY) -m pytest -q -m ""
 
 lint: $(VENV)/.installed

@@ -175,8 +175,7 @@ class Trainer:
         # params and gradients per device.
         self.gather_params_once = memory.gather_params_once(
             cfg.fsdp_gather_params_once, param_count=count, bytes_per_param=width,
-            num_devices=devices, device_memory_bytes=memory.device_memory_bytes(
-                mesh.local_mesh.devices.flat[0], mesh.local_mesh.devices.size))
+            num_devices=devices, device_memory_bytes=self.device_memory_bytes())
         self.flat = fsdp_flat.layout(params, mesh) \
             if self.gather_params_once and policy.per_device else None
         replicated = jax.NamedSharding(mesh, jax.P())
@@ -187,17 +186,20 @@ class Trainer:
         self.frozen = frozen
         if frozen is not None and self.flat is not None:
             with jax.set_mesh(mesh):
-                self.frozen = jax.jit(lambda t: t, out_shardings=self.frozen_gathered)(frozen)
+                gather = jax.jit(lambda t: t, out_shardings=self.frozen_gathered)
+                self.frozen = self._make_state(gather, self.frozen_gathered, frozen)
         # Optimizer moments shard like their params (replicated scalars otherwise), and keep
         # that sharding across updates so the step compiles once.
         self.opt_shardings = optax.tree_utils.tree_map_params(
             self.tx, lambda _, sharding: sharding, jax.eval_shape(self.tx.init, params),
             self.param_shardings, transform_non_params=lambda _: replicated)
         with jax.set_mesh(mesh):
-            self.opt_state = jax.jit(self.tx.init, out_shardings=self.opt_shardings)(params)
+            init = jax.jit(self.tx.init, out_shardings=self.opt_shardings)
+            self.opt_state = self._make_state(init, self.opt_shardings, params)
         self.params = params
         # LoRA's reference is the base itself (no copy); see `_loss`.
-        self.ref_params = jax.tree.map(jnp.copy, params) \
+        self.ref_params = self._make_state(lambda p: jax.tree.map(jnp.copy, p),
+                                           self.param_shardings, params) \
             if cfg.grpo_beta and frozen is None else None
         self.micro_batches = memory.num_micro_batches(cfg.batch_size, cfg.train_micro_batch_size)
         self.corrections = Corrections.of(cfg)
@@ -213,6 +215,16 @@ class Trainer:
         # Agentic runs with use_rollout_logps: every update against the engine's logprobs.
         self.off_policy = off_policy or first_update_off_policy(
             cfg.use_agentic_rollout, cfg.use_rollout_logps, cfg.force_on_policy_ratio)
+
+    def device_memory_bytes(self) -> int:
+        """One device's memory, which decides gather-once under `fsdp_gather_params_once=auto`."""
+        local = self.mesh.local_mesh.devices
+        return memory.device_memory_bytes(local.flat[0], local.size)
+
+    def _make_state(self, fn: Callable, shardings: Any, *args: Any) -> Any:
+        """`fn(*args)`: state the trainer builds, laid out as `shardings` (an abstract trainer,
+        `tunix_mcjax.aot`, keeps only its shapes)."""
+        return fn(*args)
 
     # Full params of the flat step: computed from `params` when it is set (start, restore),
     # then the step's own output.

@@ -1,0 +1,96 @@
+"""Compiling for TPU without a TPU (`tunix_mcjax.aot`): libtpu stays out of CPU processes, the
+page layout's kernel takes its block sizes from the target's device kind, and the tiny model's
+engine program (Pallas ragged paged attention on CombinedPages) and train step compile for a
+TPU7x slice with a sane memory verdict from XLA."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
+
+from tunix_mcjax.aot import libtpu
+from tunix_mcjax.engine.paged_attention import rpa_block_sizes
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_LIBTPU = (libtpu.libtpu_dir() / "libtpu" / "libtpu.so").is_file()
+needs_libtpu = pytest.mark.skipif(
+    not HAVE_LIBTPU, reason=f"libtpu is not installed under {libtpu.libtpu_dir()}: "
+    f"`{libtpu.MAKE_TARGET}` installs it (make test does)")
+# The tiny model at a head size the TPU kernel takes (a multiple of 128 lanes), one layer.
+TINY = ["head_dim=128", "base_num_decoder_layers=1"]
+TPU7X_DEVICE_BYTES = int(94.7 * 2**30)
+
+
+def run(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    environ = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    environ.update(PYTHONPATH=str(ROOT), **env)
+    return subprocess.run([sys.executable, *args], cwd=ROOT, env=environ, capture_output=True,
+                          text=True, timeout=300)
+
+
+@needs_libtpu
+def test_cpu_processes_do_not_see_libtpu():
+    probe = ("import importlib.util, jax; "
+             "print(importlib.util.find_spec('libtpu'), [d.platform for d in jax.devices()])")
+    for out in (run(["-c", probe]).stdout, run(["-c", probe], JAX_PLATFORMS="").stdout):
+        assert out.split() == ["None", "['cpu']"], out
+    assert importlib.util.find_spec("libtpu") is None  # nor this (the suite's) process
+    assert {d.platform for d in jax.devices()} == {"cpu"}
+
+
+def test_without_libtpu_the_entry_point_names_the_make_target(tmp_path):
+    out = run(["-m", "tunix_mcjax.aot", "recipes/cpu/demo.yml", "--topology", "tpu7x:2x2x1"],
+              TUNIX_MCJAX_LIBTPU=str(tmp_path))
+    assert out.returncode == 3
+    assert "make setup-tpu-compiler" in out.stderr
+
+
+@pytest.mark.parametrize("kind,name,version", [("TPU v5 lite", "TPU v5", 5),
+                                               ("TPU v6 lite", "TPU v6", 6),
+                                               ("TPU7x", "TPU v7", 7)])
+@pytest.mark.parametrize("tokens,pages_per_seq,page_size", [(64, 160, 16), (2048, 64, 32),
+                                                            (128, 32, 128)])
+def test_block_sizes_are_the_kernels_own_for_the_target(monkeypatch, kind, name, version,
+                                                        tokens, pages_per_seq, page_size):
+    """What JAX's lookup gives on a device of that kind, from this CPU process."""
+    monkeypatch.setattr(tuned_block_sizes, "get_tpu_version", lambda: version)
+    monkeypatch.setattr(tuned_block_sizes, "get_device_name", lambda num_devices=None: name)
+    q = jax.ShapeDtypeStruct((tokens, 16, 128), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((4096, page_size, 16, 128), jnp.bfloat16)
+    sizes = rpa_block_sizes(kind, q, pages, pages_per_seq)
+    expected = tuned_block_sizes.get_tuned_block_sizes(jnp.bfloat16, jnp.bfloat16, 16, 8, 128,
+                                                       page_size, tokens, pages_per_seq)
+    assert (sizes["num_kv_pages_per_block"], sizes["num_queries_per_block"]) == expected
+    assert 0 < sizes["vmem_limit_bytes"] <= 96 << 20
+    with pytest.raises(ValueError, match="SplitPages"):
+        rpa_block_sizes("cpu", q, pages, pages_per_seq)
+
+
+@needs_libtpu
+def test_tiny_model_programs_compile_for_tpu7x(tmp_path):
+    out = run(["-m", "tunix_mcjax.aot", "recipes/cpu/demo.yml", *TINY, "--topology",
+               "tpu7x:2x2x1", "--json", str(tmp_path / "aot.json")])
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    result = json.loads((tmp_path / "aot.json").read_text())
+    assert (result["device_kind"], result["hosts"], result["devices_per_host"]) == ("TPU7x", 1, 8)
+    programs = {row["name"]: row for row in result["compiled"]}
+    assert {"engine decode loop", "train step", "engine decode step"} <= set(programs)
+    for row in programs.values():
+        assert row["compiled"] and row["temporaries"] > 0 and row["code"] > 0, row
+        # XLA's argument bytes are the shards we passed (tiled padding aside).
+        assert abs(row["arguments"] / row["argument_shapes_bytes"] - 1) < 0.25, row
+        assert 0 < row["peak"] < TPU7X_DEVICE_BYTES
+    loop = programs["engine decode loop"]
+    assert loop["aliased"] > 0  # the donated page pool is updated in place
+    assert loop["fits"] and programs["train step"]["fits"]
+    cost = result["decode_cost"]
+    assert cost["flops"] > 0 and cost["xla_bytes_accessed"] > 0 and cost["roofline_ms"] > 0
