@@ -284,7 +284,8 @@ def test_agentic_update_with_a_correction_equals_tunix(case):
     prompts, convs, masks, rewards = trajectories()
     adv = group_advantages(rewards, G)
     cfg = load_config(REPO / "recipes/cpu/demo.yml", SHAPE).replace(
-        use_agentic_rollout=True, epsilon_high=0.28, **CASES[case])
+        use_agentic_rollout=True, epsilon_high=0.28,
+        agentic_environment="tunix_mcjax.agentic.demo:lookup_conversation", **CASES[case])
     mesh = topology.trainer_mesh(topology.current())
     policy, params = qwen3_policy(models.create_model(models.model_config(cfg, 40), 123, mesh))
     initial = _flat(params)
