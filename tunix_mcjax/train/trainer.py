@@ -359,10 +359,16 @@ class Trainer:
         def local_grads(full, ref_full, batch, frozen):
             sums, grads = self._grads(full, ref_full, batch, off_policy, row_shards=1,
                                       frozen=frozen)
-            shards, summed = fsdp_flat.reduce_scatter(
-                self.flat, grads, jnp.stack([sums[k] for k in self.sum_keys]))
-            maxed = {k: jax.lax.pmax(sums[k], self.flat.axis) for k in MAX_KEYS}
-            return shards, dict(zip(self.sum_keys, summed, strict=True)) | maxed
+            # Each device's max rides the same reduce-scatter as the sums, in its own slot
+            # (zeros elsewhere: summing is exact), so the step keeps its three collectives.
+            slot = jax.nn.one_hot(jax.lax.axis_index(self.flat.axis), self.flat.size)
+            scalars = jnp.concatenate([jnp.stack([sums[k] for k in self.sum_keys]),
+                                       *[slot * sums[k] for k in MAX_KEYS]])
+            shards, summed = fsdp_flat.reduce_scatter(self.flat, grads, scalars)
+            n = len(self.sum_keys)
+            maxed = {k: jnp.max(summed[n + i * self.flat.size:n + (i + 1) * self.flat.size])
+                     for i, k in enumerate(MAX_KEYS)}
+            return shards, dict(zip(self.sum_keys, summed[:n], strict=True)) | maxed
 
         grads, sums = jax.shard_map(
             local_grads, mesh=self.mesh,
