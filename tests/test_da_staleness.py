@@ -11,9 +11,9 @@ import time
 
 import numpy as np
 import pytest
-import ray
 
 from tests.mp import REPO, read_jsonl
+from tests.ray_local import local_ray  # noqa: F401  (the module's cluster)
 from tests.test_disaggregated import (
     DEAD_ACTOR_BUDGET_S,
     LEARNED,
@@ -27,19 +27,11 @@ from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.runtime.da_cluster import Cluster
 from tunix_mcjax.runtime.disaggregated import training_steps
 from tunix_mcjax.runtime.ray_actors import TrainerWorker
-from tunix_mcjax.runtime.ray_cluster import HOST_RESOURCE, ActorFailed
+from tunix_mcjax.runtime.ray_cluster import ActorFailed
 
 # Rewards that differ within every group (each completion's mean character code), so the
 # advantages, and with them the ratio's effect on the loss, are not zero.
 VARIED = "reward_functions=tests.workers.text_rewards:char_codes"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=4, resources={HOST_RESOURCE: 4},
-             object_store_memory=256 << 20, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 def restored_trainer(cfg, monkeypatch) -> TrainerWorker:

@@ -20,24 +20,17 @@ import pytest
 import ray
 
 from tests.mp import REPO, TINY, read_jsonl
+from tests.ray_local import local_ray  # noqa: F401  (the module's cluster)
 from tunix_mcjax import launch
 from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.runtime import disaggregated
 from tunix_mcjax.runtime.da_cluster import Cluster
 from tunix_mcjax.runtime.disaggregated import training_steps
-from tunix_mcjax.runtime.ray_cluster import HOST_RESOURCE, ActorFailed
+from tunix_mcjax.runtime.ray_cluster import ActorFailed
 
 SMALL = [*TINY, "batch_size=4", "num_generations=4", "rl_runtime=mcjax_da"]
 DEAD_ACTOR_BUDGET_S = 60
 OVERFLOWS = "reward_functions=tests.workers.bad_rewards:overflows_after_first_step"
-
-
-@pytest.fixture(scope="module", autouse=True)
-def local_ray():
-    ray.init(address="local", num_cpus=4, resources={HOST_RESOURCE: 4},
-             object_store_memory=256 << 20, include_dashboard=False, configure_logging=False)
-    yield
-    ray.shutdown()
 
 
 def config(tmp_path, *overrides, recipe=None):
