@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 HOSTS ?= 2
 DEVICES ?= 2
 
-.PHONY: setup setup-tpu-compiler demo test test-all lint lock clean docs docs-clean
+.PHONY: setup setup-tpu-compiler demo test test-slow test-all lint lock clean docs docs-clean
 
 setup: $(VENV)/.patched
 
@@ -46,6 +46,10 @@ demo: $(VENV)/.patched
 
 test: $(VENV)/.patched $(LIBTPU)/.installed
 	$(PY) -m pytest -q --durations=25  # the slowest tests: the suite's time budget
+
+# The second tier, which CI runs after the default suite (.ci/run).
+test-slow: $(VENV)/.patched $(LIBTPU)/.installed
+	$(PY) -m pytest -q -m "slow and not bench" --durations=25
 
 test-all: $(VENV)/.patched $(LIBTPU)/.installed
 	$(PY) -m pytest -q -m ""

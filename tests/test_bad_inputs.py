@@ -164,6 +164,7 @@ def test_reward_raising_on_one_host_ends_every_host_fast(tmp_path):
     assert "step    0 |" not in out  # host 0 did not train on alone
 
 
+@pytest.mark.slow  # a launch; a raising reward's end stays in the default suite
 def test_reward_failure_ends_within_60s_of_the_failure(tmp_path):
     """Measured from the failing host's message, not from the launch (which compiles)."""
     cmd = [sys.executable, "-m", "tunix_mcjax.launch", "--hosts", "2", "--devices-per-host",
@@ -209,6 +210,7 @@ def test_non_finite_step_stops_keeping_last_good_checkpoint(tmp_path):
     assert saved == ["0"]
 
 
+@pytest.mark.slow  # a launch; the non-finite stop stays in the default suite
 def test_max_nonfinite_steps_skips_and_counts(tmp_path):
     proc, elapsed = _run(tmp_path, "skip", "steps=3", OVERFLOWS, "max_nonfinite_steps=5")
     out = proc.stdout + proc.stderr
@@ -224,6 +226,7 @@ def test_max_nonfinite_steps_skips_and_counts(tmp_path):
 
 # --- checkpoints ----------------------------------------------------------------------------
 
+@pytest.mark.slow  # three launches
 def test_corrupt_checkpoint_falls_back_and_changed_config_is_refused(tmp_path):
     ckpt = ["enable_checkpointing=true", "checkpoint_period=2"]
     first, _ = _run(tmp_path, "ck", "steps=4", *ckpt)
@@ -305,6 +308,7 @@ for dp, tp in ((-1, 1), (1, 1), (3, 1), (1, 2), (-1, 2)):
 """
 
 
+@pytest.mark.slow  # a 2-host launch
 def test_rollout_data_parallelism_reaches_the_engine():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
            "JAX_PLATFORMS": "cpu"}

@@ -87,6 +87,7 @@ def check_demo(summary: dict, records: list[dict], node_ids: set[str], trainers:
     assert np.polyfit(np.arange(10), reward, 1)[0] > 0
 
 
+@pytest.mark.slow  # the four-node run stays in the default suite
 def test_demo_across_three_nodes_one_trainer_two_rollouts(tmp_path, ray_nodes):
     """1 trainer node and 2 rollout nodes: a share that is not one of the paper's splits."""
     cluster, nodes = ray_nodes

@@ -80,7 +80,7 @@ def test_two_trainers_one_group_staleness_one_and_one_put_per_publish(tmp_path):
         cluster.close()
 
 
-@pytest.mark.slow  # the default suite runs this split on four raylets (test_da_multinode)
+@pytest.mark.bench  # a learning run; test_da_multinode runs this split on four raylets
 def test_demo_on_half_the_hosts_learns_in_ten_steps(tmp_path):
     cfg = load_config(REPO / "recipes/cpu/demo.yml", [
         "rl_runtime=mcjax_da", "rl_trainer_hosts_fraction=0.5", "steps=10",
@@ -96,6 +96,7 @@ def test_demo_on_half_the_hosts_learns_in_ten_steps(tmp_path):
     assert np.polyfit(np.arange(10), reward, 1)[0] > 0
 
 
+@pytest.mark.slow  # a DA run; the colocated skip is in the default suite
 def test_skipped_nonfinite_update_publishes_nothing_new(tmp_path):
     """From step 1 on the rewards overflow and the loss is NaN: the skipped updates keep v1,
     put no new object, and the next batch is generated with v1's object again."""
@@ -194,6 +195,7 @@ def resumed_equals_whole(tmp_path, steps: int) -> list[dict]:
     return whole
 
 
+@pytest.mark.slow  # a DA run and a colocated run
 def test_evaluation_on_the_rollout_actors_equals_the_colocated_evaluation(tmp_path):
     """Same config and weights (step 0's): the colocated mode on 2 hosts x 2 devices and DA's 2
     rollout actors (of 4 hosts x 2 devices) score the same held-out prompts with the same
@@ -236,6 +238,7 @@ def lora_publish_bytes(cfg) -> tuple[int, int]:
     return tree_bytes(nnx.state(model, nnx.Param)), tree_bytes(nnx.state(model, nnx.LoRAParam))
 
 
+@pytest.mark.slow  # a DA run, killed twice
 def test_dead_rollout_restarted_once_then_ends_the_run_within_60s(tmp_path):
     """rl_rollout_restarts=1: a killed rollout actor is replaced and its batch regenerated with
     the same version; killed again, restarts are spent and the run ends, naming it. With LoRA

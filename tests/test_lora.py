@@ -270,7 +270,7 @@ def _run(tmp_path, name: str, steps: int) -> str:
     return proc.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # three launches; the full-weight resume is in the slow tier
 def test_lora_resume_matches_uninterrupted_run(tmp_path):
     """Resumed from a checkpoint of adapters (the base rebuilt from init_weights_seed), a LoRA
     run continues exactly as the uninterrupted one."""

@@ -66,7 +66,7 @@ MAX_NEW = 8
 
 
 def family_params(name: str) -> list:
-    marks = [] if name in FAST else [pytest.mark.slow]
+    marks = [] if name in FAST else [pytest.mark.bench]  # minutes each on CPU
     return [pytest.param(name, marks=marks, id=name)]
 
 
@@ -328,7 +328,7 @@ def test_replicas_and_tensor_parallelism_give_the_same_greedy_decode(world, dp, 
 
 # --- the runtime on 2 hosts with the maxtext engine --------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.bench  # a 2-host MaxText run
 def test_maxtext_components_run_on_two_hosts_with_the_maxtext_engine(tmp_path):
     """MaxText's tiny Qwen3 MoE, its data and rewards: 2 steps on 2 hosts, weights published
     into each host's maxtext engine after every update (one call, O4)."""

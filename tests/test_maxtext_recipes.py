@@ -112,6 +112,7 @@ def test_jsonl_sink_reads_back_through_epath(tmp_path):
 
 # --- evaluation -------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a 2-host MaxText launch
 def test_evaluation_equals_maxtext_evaluate_and_sums_over_hosts(tmp_path):
     """Two hosts' shares scored by our evaluator, summed, against MaxText's `evaluate` on the
     same responses (tests/workers/maxtext_eval.py; a subprocess, since MaxText's math-verify

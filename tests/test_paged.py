@@ -439,6 +439,7 @@ def test_a_small_freed_pool_is_left_to_the_heap():
     assert not hostmem.trim(cpu, hostmem.TRIM_FROM_BYTES - 1)
 
 
+@pytest.mark.slow  # two engines' compiles
 def test_a_tail_of_few_live_rows_decodes_packed_with_the_same_samples(tiny):
     """64 requests with ~30% of tokens a stop: most rows end in a few steps, and the steps after
     run the live rows packed into 8 rows. Samples equal an engine that decodes all 64

@@ -287,7 +287,7 @@ def test_maxtext_engine_is_planned_paged():
     assert p.engine.pool_pages == jax_plan.engine.pool_pages
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # two engine programs compiled at the caps
 @pytest.mark.parametrize("caps", [(512, 16, 2), (16, 768, 16)])
 def test_engine_program_scratch_matches_xla(caps):
     """A prefill-bound and a decode-bound shape (of the 8, bf16 and fp32, checked when the

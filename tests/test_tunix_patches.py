@@ -394,7 +394,7 @@ def test_global_mesh_generation_gives_each_process_its_own_rows(patched_root: Pa
     assert patched[0]["completions"] != patched[1]["completions"]
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # Tunix generation on a patched copy over two processes
 def test_global_mesh_generation_with_uneven_stops_does_not_hang(pristine_root: Path,
                                                                 patched_root: Path) -> None:
     """Process 1's rows stop at their first token, process 0's run to the budget."""
