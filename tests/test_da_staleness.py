@@ -40,6 +40,7 @@ def restored_trainer(cfg, monkeypatch) -> TrainerWorker:
     return TrainerWorker(cfg, 0)
 
 
+@pytest.mark.slow  # a 10-step DA run with a restart; k0 stays in the default suite
 def test_k2_two_batches_in_flight_a_restart_regenerates_both_and_the_loss_is_off_policy(
         tmp_path, monkeypatch, capsys):
     """off_policy_steps=2: batch t is generated with v_max(t-2, 0), so staleness is 0, 1, then
@@ -86,8 +87,11 @@ def test_k2_two_batches_in_flight_a_restart_regenerates_both_and_the_loss_is_off
 
 
 def test_k0_is_on_policy_without_overlap(tmp_path):
-    """off_policy_steps=0: batch t is generated with v_t, after update t-1 is published."""
-    cfg = config(tmp_path, "steps=3", "off_policy_steps=0")
+    """off_policy_steps=0: batch t is generated with v_t, after update t-1 is published. The
+    run's jax_cache_dir holds the programs of both kinds of actor: the trainers' update and the
+    rollouts' decode loop."""
+    cache = tmp_path / "jax-cache"
+    cfg = config(tmp_path, "steps=3", "off_policy_steps=0", f"jax_cache_dir={cache}")
     cluster = Cluster.start(cfg, hosts=2, devices_per_host=1)
     try:
         records = [r.values for r in training_steps(cfg, cluster)]
@@ -96,6 +100,8 @@ def test_k0_is_on_policy_without_overlap(tmp_path):
     assert [r["batch_versions"] for r in records] == [[0], [1], [2]]
     assert [r["staleness"] for r in records] == [[0]] * 3
     assert all(np.isfinite(r["reward_mean"]) for r in records)
+    programs = {p.name.split("-", 1)[0] for p in cache.iterdir()}  # jit_<name>-<hash>-cache
+    assert {"jit__update", "jit_program"} <= programs, sorted(programs)
 
 
 def test_off_policy_steps_is_the_da_bound_and_agentic_only_in_the_colocated_runtime(tmp_path):
@@ -108,7 +114,7 @@ def test_off_policy_steps_is_the_da_bound_and_agentic_only_in_the_colocated_runt
         load_config(REPO / "recipes/cpu/demo.yml", ["off_policy_steps=2"])
 
 
-@pytest.mark.slow  # about 3 min: three driver launches
+@pytest.mark.bench  # about 3 min: three driver launches; k=1 resume is in the slow tier
 def test_k2_sigterm_then_a_rerun_equals_an_uninterrupted_run(tmp_path):
     """At k = 2 the checkpoint keeps both batches in flight; the rerun trains on them, so its
     records and final params equal an uninterrupted run's, staleness 2 from step 2 on."""

@@ -57,6 +57,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     return current()
 
 
+def use_compilation_cache(directory: str) -> None:
+    """JAX's persistent compilation cache in `directory` (~ expanded) for this process; call
+    before its first compile (JAX reads the setting once). "": JAX's own setting stays."""
+    if directory:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
+
+
 def initialize_from_env() -> Topology:
     """`initialize` from `tunix_mcjax.launch`'s TUNIX_MCJAX_* variables when set, else from the
     cluster's own discovery (TPU/GPU launchers), else as a single process."""

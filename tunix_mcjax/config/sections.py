@@ -29,6 +29,12 @@ class Run:
         "runs", "Parent of the run directory: any path etils.epath opens (local, gs://).",
         runtime_only=True)
     seed: int = key(0, "Seed of the prompt order, sampling and evaluation.")
+    jax_cache_dir: str = key(
+        "", "JAX's persistent compilation cache, set in every process of the run (each host; "
+        "each Ray actor under mcjax_da), so a rerun loads its programs instead of compiling "
+        "them: a directory (~ expanded); empty: JAX's own setting (JAX_COMPILATION_CACHE_DIR). "
+        "MaxText's key of the same name maps here, with its default ~/jax_cache.",
+        runtime_only=True)
     steps: int = key(100, "Training steps (one batch and its updates each).", check=positive(),
                      runtime_only=True)
     rl_runtime: Literal["mcjax", "single", "mcjax_da"] = key(
