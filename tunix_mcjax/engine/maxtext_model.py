@@ -6,8 +6,9 @@ RoPE, MoE and output head, so it is the forward the trainer scores with. Only at
 each layer's `AttentionOp` is replaced, per call, by `PagedAttentionOp`, which writes the layer's
 keys and values into our page pool and attends over it (`engine.paged_attention`) with the
 layer's sliding window (by token position), sinks and soft cap; Gemma4's KV-shared layers read
-their donor's pages. It decodes unscanned; `scan_plan` and `unstack_layers` slice a scanned
-tree into layers.
+their donor's pages. Each KV slot has its page layout: on TPU the Pallas kernel's, except for
+layers with sinks, which it lacks (`slot_layouts`). It decodes unscanned; `scan_plan` and
+`unstack_layers` slice a scanned tree into layers.
 """
 
 from __future__ import annotations
@@ -396,7 +397,9 @@ class MaxTextPagedModel:
         return sum(page_size * 2 * k * h * self.dtype.itemsize // (tp if k % tp == 0 else 1)
                    for k, h in self.slot_shapes.values())
 
-    def _specs(self) -> list[Any]:
+    def pool_specs(self) -> list[Any]:
+        """Each KV slot's partition on the replica mesh: kv heads over "tensor" where they
+        divide."""
         tp = self.mesh.shape[TENSOR_AXIS]
         specs = []
         for slot in sorted(self.slot_shapes):
@@ -409,7 +412,7 @@ class MaxTextPagedModel:
 
     def _shard(self, pool: list[Any]) -> list[Any]:
         out = []
-        for layer, spec in zip(pool, self._specs(), strict=True):
+        for layer, spec in zip(pool, self.pool_specs(), strict=True):
             sharding = jax.sharding.NamedSharding(self.mesh, spec)
             out.append(jax.tree.map(lambda x, s=sharding: jax.lax.with_sharding_constraint(x, s),
                                     layer))
@@ -422,7 +425,7 @@ class MaxTextPagedModel:
                                                  *self.slot_shapes[slot], self.dtype)
                         for slot in sorted(self.slot_shapes)]
 
-            shardings = [jax.sharding.NamedSharding(self.mesh, spec) for spec in self._specs()]
+            shardings = [jax.sharding.NamedSharding(self.mesh, spec) for spec in self.pool_specs()]
             shardings = [jax.tree.map(lambda _, s=s: s, layer) for s, layer in
                          zip(shardings, jax.eval_shape(make), strict=True)]
             self._pool_makers[num_pages, page_size] = jax.jit(make, out_shardings=shardings)
