@@ -12,7 +12,9 @@ from tests.mp import REPO
 from tunix_mcjax import plan
 from tunix_mcjax.aot.__main__ import load
 
-RESULTS = sorted((REPO / "bench_results" / "aot").glob("*.json"))
+# The paper's cells (Qwen3-0.6B profiles); maxtext-*.json are MaxText's scripts on their slices.
+RESULTS = sorted(p for p in (REPO / "bench_results" / "aot").glob("*.json")
+                 if not p.name.startswith("maxtext-"))
 TOLERANCE = 0.15
 # The train phase is not reconciled yet: the planner is 12-85% above XLA at 8 chips (its
 # activations were fitted on CPU; docs/tpu.md, "The paper's cells on TPU7x").
