@@ -398,12 +398,15 @@ def test_gpt_oss_decodes_its_sink_layers_through_split_pages_on_the_tpu_layout(w
 
 
 @pytest.mark.parametrize("world", family_params("gemma4"), indirect=True)
-def test_gemma4_keeps_the_tpu_layout_without_sinks(world, monkeypatch):
-    """Layers without sinks stay on the TPU kernel's layout, and sample as SplitPages."""
+def test_gemma4_keeps_the_tpu_layout_where_the_kernel_takes_its_heads(world, monkeypatch):
+    """Layers without sinks stay on the TPU kernel's layout where their heads are the one
+    width it compiles for (KERNEL_HEAD_DIM), SplitPages elsewhere, and sample as SplitPages."""
     engine = engine_with_layouts(world, monkeypatch)
     [model] = engine._models.values()
     assert not any(a.sinks for a in model.layers)
-    assert all(type(layout) is XlaCombinedPages for layout in model.layouts.values())
+    for slot, (_, head_dim) in model.slot_shapes.items():
+        fits = head_dim == pa.KERNEL_HEAD_DIM
+        assert type(model.layouts[slot]) is (XlaCombinedPages if fits else pa.SplitPages)
     assert_same_samples(world, engine)
 
 

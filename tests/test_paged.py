@@ -113,9 +113,10 @@ def test_gpu_decode_kernel_equals_the_reference_in_pallas_interpret_mode(soft_ca
     chunks = gpu.attend(q, split_layer(*pool), tables, kv_lens, q_lens, window=5)
     np.testing.assert_allclose(chunks, pa.reference_attention(q, k_seq, v_seq, kv_lens, q_lens,
                                                               window=5), atol=1e-5)
-    assert [type(pa.layout_for(p, n)).__name__ for p, n in
-            [("gpu", 1), ("gpu", 2), ("tpu", 4), ("cpu", 1)]] == [
-        "GpuPages", "SplitPages", "CombinedPages", "SplitPages"]
+    assert [type(pa.layout_for(*case)).__name__ for case in
+            [("gpu", 1), ("gpu", 2), ("tpu", 1), ("tpu", 1, 256), ("tpu", 4), ("tpu", 1, 64),
+             ("cpu", 1)]] == ["GpuPages", "SplitPages", "CombinedPages", "SplitPages",
+                              "SplitPages", "SplitPages", "SplitPages"]
 
 
 def test_attention_reads_only_live_slots_of_a_rows_pages():

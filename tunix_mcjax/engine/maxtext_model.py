@@ -23,7 +23,7 @@ from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import Mesh, PartitionSpec
 
-from tunix_mcjax.engine.paged_attention import CombinedPages, SplitPages
+from tunix_mcjax.engine.paged_attention import KERNEL_HEAD_DIM, CombinedPages, SplitPages
 
 DECODER, STACKED_LAYERS, LAYER_PREFIX = "decoder", "layers", "layers_"
 TENSOR_AXIS = "tensor"
@@ -322,10 +322,12 @@ def _layer_attention(attn: nnx.Module, slot: int, own_slot: bool) -> _LayerAtten
 
 def slot_layouts(layout: Any, layers: list[_LayerAttention]) -> dict[int, Any]:
     """Each KV slot's page layout: `layout`, except where it is `CombinedPages` (JAX's TPU
-    kernel, which has no attention sinks) for a slot that a layer with sinks reads (gpt-oss's):
-    that slot's pages are `SplitPages`, attended by XLA, which runs on any backend."""
-    with_sinks = {a.slot for a in layers if a.sinks}
-    return {a.slot: SplitPages() if isinstance(layout, CombinedPages) and a.slot in with_sinks
+    kernel, which has no attention sinks and compiles for KERNEL_HEAD_DIM heads only) for a
+    slot that a layer with sinks reads (gpt-oss's) or whose heads are of another width
+    (Gemma4's 256 and 512): that slot's pages are `SplitPages`, attended by XLA, which runs on
+    any backend."""
+    unfit = {a.slot for a in layers if a.sinks or a.head_dim != KERNEL_HEAD_DIM}
+    return {a.slot: SplitPages() if isinstance(layout, CombinedPages) and a.slot in unfit
             else layout for a in layers if a.writes}
 
 
