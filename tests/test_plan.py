@@ -363,3 +363,18 @@ def test_tpu_activations_are_the_residuals_jax_saves_in_the_compute_dtype():
     assert plan._tpu_saved_per_layer(m, 2, t) == compute + stats
     assert plan.activation_bytes_per_token(m, 2, t, remat=False, tpu=True) \
         == m.layers * (compute + stats)
+
+
+def test_tpu_target_counts_the_weights_cast_and_is_refused_beside_cpu(capsys):
+    """fp32 weights with bf16 compute: on TPU the step keeps the bf16 cast of every gathered
+    weight; CPU's fit holds it already. A cluster is not both, and --tpu needs its HBM."""
+    cfg = load_config(RECIPE, ["weight_dtype=float32", "dtype=bfloat16"])
+    mc = plan.model_config_for(cfg)
+    tpu = plan.plan(cfg, plan.Cluster(1, 1, 64 * GIB, tpu=True), mc)
+    other = plan.plan(cfg, plan.Cluster(1, 1, 64 * GIB), mc)
+    assert tpu.items["params cast"] == QWEN3_0P6B_PARAMS * 2
+    assert other.items["params cast"] == 0
+    with pytest.raises(ValueError, match="not both"):
+        plan.Cluster(1, 1, GIB, cpu=True, tpu=True)
+    assert plan.main([RECIPE, "--tpu"]) == 2
+    assert "--tpu needs --hbm-gib" in capsys.readouterr().err
