@@ -1,7 +1,7 @@
 """Memory planner: what a run holds per device, and whether it fits, before anything runs.
 
     python -m tunix_mcjax.plan RECIPE.yml [key=value ...] [--hbm-gib N]
-                               [--hosts H --devices-per-host D]
+                               [--hosts H --devices-per-host D] [--tpu]
 
 Pure arithmetic on the config and the Tunix ModelConfig (param shapes come from an abstract
 `eval_shape`; no device is touched). It makes the trainer's own choices through the functions
@@ -18,7 +18,9 @@ across steps and counts in every phase; the maxtext engine is paged the same way
 scratch) and publish (the replicated gather of the new weights). The pool is sized as the
 engine sizes it (`engine.pages`), and a plan that the engine would refuse (a pool that cannot
 hold one sequence at the caps) does not fit. On CPU, where a device's memory is the host's
-RAM, the host's own costs outside XLA's buffers are added too (`cpu_host_items`).
+RAM, the host's own costs outside XLA's buffers are added too (`cpu_host_items`); on TPU
+(`--tpu`, the aot path's targets) the train step's activations are what XLA's TPU assignment
+keeps (`TPU_SAVED_PER_UNIT`), elsewhere the fit to its CPU assignment (`SAVED_PER_UNIT`).
 """
 
 from __future__ import annotations
@@ -46,6 +48,11 @@ class Cluster:
     devices_per_host: int
     device_bytes: int  # usable memory of one device (on CPU: the host's RAM / local devices)
     cpu: bool = False  # devices are the host's CPU: the process's own RAM counts against them
+    tpu: bool = False  # TPU devices: XLA's TPU assignment of the train step (`TPU_SAVED_PER_UNIT`)
+
+    def __post_init__(self):
+        if self.cpu and self.tpu:
+            raise ValueError("Cluster: devices are either the host's CPU or TPUs, not both")
 
     @property
     def num_devices(self) -> int:
@@ -130,11 +137,40 @@ PROCESS_BASELINE = 1 * GIB
 CPU_UPCAST_BYTES = 4
 
 
+# On TPU, XLA's buffer assignment of the train step (compiled for TPU7x: the paper's gsm8k,
+# numina and swe cells, bench_results/aot) holds far less than the CPU fit: its per-token
+# growth (1.46-1.61 MB a token between the cells) is the residuals JAX saves for the backward in
+# the compute dtype (1.51 MB a token at Qwen3-0.6B), without the fp32 RMSNorm chains (upcast,
+# x / rms, x w: 62 KB a token and layer more) that the CPU backend stores and TPU's fusions
+# recompute. Per token and decoder layer, in units of the compute dtype's bytes, as JAX saves
+# them for Tunix's Qwen3 layer (`jax.ad_checkpoint.saved_residuals`, `tests/test_plan.py`):
+# both norms' outputs (2 x embed), q and the attention's output (2 x q_width), k and v (2 x
+# kv_width), gate, up, silu's three and their product (6 x mlp), and RoPE's sin and cos for q
+# and k (2 x head_dim, each half of it). With the weights' cast (`params_cast_bytes`) the
+# train phase is 13%, 5% and 6% below XLA's at 8 chips (`tests/test_aot_cells.py`); the rest,
+# larger at short rows, is not itemised.
+TPU_SAVED_PER_UNIT = {"embed": 2, "q_width": 2, "kv_width": 2, "mlp": 6, "head_dim": 2}
+# fp32 per query head: blockwise attention's running max and denominator (`_fwd`); the dense
+# formula (rows of one key block) keeps its probabilities instead, in fp32 and the compute dtype
+# (not compiled for TPU yet: the paper's rows are all longer).
+TPU_BLOCKWISE_STATS = 8
+TPU_DENSE_PROBS = 4
+
+
 def activation_bytes_per_token(m: ModelShape, compute_bytes: int, row_len: int,
-                               remat: bool) -> int:
-    """Bytes one token leaves saved for the backward, over all layers. With remat
-    (`remat_policy=full`: a decoder layer recomputed in its backward) only each layer's input
-    stays, plus one layer's worth while it is recomputed (not fitted; from the shapes)."""
+                               remat: bool, tpu: bool = False) -> int:
+    """Bytes one token leaves saved for the backward, over all layers (on TPU by
+    `TPU_SAVED_PER_UNIT`, elsewhere by the CPU fit). With remat (`remat_policy=full`: a
+    decoder layer recomputed in its backward) only each layer's input stays, plus one layer's
+    worth while it is recomputed (not fitted; from the shapes)."""
+    per_layer = (_tpu_saved_per_layer if tpu else _cpu_saved_per_layer)(
+        m, compute_bytes, row_len)
+    if remat:
+        return int(compute_bytes * m.embed * m.layers + per_layer)
+    return int(per_layer * m.layers)
+
+
+def _cpu_saved_per_layer(m: ModelShape, compute_bytes: int, row_len: int) -> float:
     widths = {"embed": m.embed, "mlp": m.mlp, "q_width": m.q_width, "kv_width": m.kv_width}
     coefficients = dict(SAVED_PER_UNIT)
     if row_len <= KEY_BLOCK:
@@ -143,11 +179,17 @@ def activation_bytes_per_token(m: ModelShape, compute_bytes: int, row_len: int,
     else:
         widths["heads_x_keys"], coefficients["heads_x_keys"] = \
             m.query_heads * KEY_BLOCK, BLOCKWISE_HEADS_X_KEYS
-    per_layer = sum((fixed + per_byte * compute_bytes) * widths[dim]
-                    for dim, (fixed, per_byte) in coefficients.items())
-    if remat:
-        return int(compute_bytes * m.embed * m.layers + per_layer)
-    return int(per_layer * m.layers)
+    return sum((fixed + per_byte * compute_bytes) * widths[dim]
+               for dim, (fixed, per_byte) in coefficients.items())
+
+
+def _tpu_saved_per_layer(m: ModelShape, compute_bytes: int, row_len: int) -> float:
+    widths = {"embed": m.embed, "q_width": m.q_width, "kv_width": m.kv_width, "mlp": m.mlp,
+              "head_dim": m.head_dim}
+    saved = sum(units * widths[dim] for dim, units in TPU_SAVED_PER_UNIT.items())
+    attention = m.query_heads * (TPU_BLOCKWISE_STATS if row_len > KEY_BLOCK
+                                 else row_len * (TPU_DENSE_PROBS + compute_bytes))
+    return saved * compute_bytes + attention
 
 
 def logits_bytes(m: ModelShape, tokens: int, chunk_tokens: int) -> int:
@@ -347,6 +389,18 @@ def cpu_host_items(cfg: Config, cluster: Cluster, m: ModelShape) -> dict[str, in
             "bf16 matmul fp32 copy": upcast}
 
 
+def params_cast_bytes(cfg: Config, cluster: Cluster, m: ModelShape, layout: TrainLayout) -> int:
+    """On TPU, with weights in another dtype than the compute dtype: the weights compute uses,
+    cast to the compute dtype, which the step keeps for the backward's matmuls (JAX saves them
+    as residuals; every param when gathered once or on one device, else one layer and the
+    embedding). On CPU and GPU the fitted activations hold it."""
+    if not cluster.tpu or cfg.weight_dtype == cfg.dtype:
+        return 0
+    whole = layout.gather_once or cluster.num_devices == 1
+    return (m.param_count if whole else m.layer_param_count + m.largest_leaf) \
+        * DTYPE_BYTES[cfg.dtype]
+
+
 # --- the plan -----------------------------------------------------------------------------
 
 
@@ -405,8 +459,9 @@ def plan(cfg: Config, cluster: Cluster, mc) -> Plan:
         "gradients": sharded * (2 if accumulating else 1),
         "gathered params + grads": 2 * replica * w,
         "reference params": sharded if cfg.grpo_beta else 0,
-        "activations": tokens * activation_bytes_per_token(m, c, row_len,
-                                                           remat=cfg.remat_policy == "full"),
+        "activations": tokens * activation_bytes_per_token(
+            m, c, row_len, remat=cfg.remat_policy == "full", tpu=cluster.tpu),
+        "params cast": params_cast_bytes(cfg, cluster, m, layout),
         "logits": logits_bytes(m, tokens, cfg.train_logits_chunk_tokens),
         **engine_bytes,
         **cpu_host_items(cfg, cluster, m),
@@ -418,7 +473,7 @@ def plan(cfg: Config, cluster: Cluster, mc) -> Plan:
     state = items["params"] + items["optimizer state"] + items["engine weights"] + kept \
         + items["process baseline"]
     train_keys = ("gradients", "gathered params + grads", "reference params", "activations",
-                  "logits", "bf16 matmul fp32 copy")
+                  "params cast", "logits", "bf16 matmul fp32 copy")
     publish = m.param_count * w if cfg.rl_publish_weights_single_call else m.largest_leaf * w
     phases = {
         "generate": state + pool - kept + generate_scratch(engine_bytes)
@@ -428,7 +483,8 @@ def plan(cfg: Config, cluster: Cluster, mc) -> Plan:
     }
     whole = layout.rows_per_device * row_len
     activations = {
-        f"{name}, {mode}": n * activation_bytes_per_token(m, c, row_len, remat=mode == "remat")
+        f"{name}, {mode}": n * activation_bytes_per_token(m, c, row_len, remat=mode == "remat",
+                                                           tpu=cluster.tpu)
         for name, n in (("one batch", whole), ("micro-batch", tokens))
         for mode in ("no remat", "remat")
     }
@@ -529,18 +585,24 @@ def main(argv: list[str] | None = None) -> int:
                              " as the trainer assumes on CPU)")
     parser.add_argument("--hosts", type=int, default=1)
     parser.add_argument("--devices-per-host", type=int, default=1)
+    parser.add_argument("--tpu", action="store_true",
+                        help="the devices are TPUs of --hbm-gib each (the train step's "
+                             "activations as XLA's TPU assignment keeps them)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.recipe, args.overrides)
         if args.hosts < 1 or args.devices_per_host < 1:
             raise ConfigError("--hosts and --devices-per-host must be >= 1")
+        if args.tpu and args.hbm_gib <= 0:
+            raise ConfigError("--tpu needs --hbm-gib, the HBM of one TPU device")
         cfg.validate_topology(args.hosts, args.devices_per_host)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     device_bytes = int(args.hbm_gib * GIB) if args.hbm_gib > 0 else \
         host_memory_bytes() // args.devices_per_host
-    cluster = Cluster(args.hosts, args.devices_per_host, device_bytes, cpu=args.hbm_gib <= 0)
+    cluster = Cluster(args.hosts, args.devices_per_host, device_bytes, cpu=args.hbm_gib <= 0,
+                      tpu=args.tpu)
     mc = model_config_for(cfg)
     p = plan(cfg, cluster, mc)
     print(table(p))
