@@ -16,8 +16,8 @@ from tunix_mcjax.aot.__main__ import load
 RESULTS = sorted(p for p in (REPO / "bench_results" / "aot").glob("*.json")
                  if not p.name.startswith("maxtext-"))
 TOLERANCE = 0.15
-# The train phase is held by the planner's TPU activations (`plan.TPU_SAVED_PER_UNIT`), not its
-# CPU fit, which was 12-85% above XLA at 8 chips.
+# The train phase is held by the planner's TPU activations (`activations.TPU_SAVED_PER_UNIT`),
+# not its CPU fit, which was 12-85% above XLA at 8 chips.
 CHECKED_PHASES = ("generate", "train")
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tunix_mcjax import memory, models, plan, topology
+from tunix_mcjax import activations, memory, models, plan, topology
 from tunix_mcjax.bench.plan_tables import profile_config, v7x
 from tunix_mcjax.config import load_config
 from tunix_mcjax.engine.base import SamplingParams
@@ -360,7 +360,7 @@ def test_tpu_activations_are_the_residuals_jax_saves_in_the_compute_dtype():
     heads = (1, m.kv_heads, m.query_heads // m.kv_heads, t)  # the attention's max, denominator
     stats = sum(a.size // t for a in tokens if a.shape == heads) * 4
     assert stats == 2 * 4 * m.query_heads
-    assert plan._tpu_saved_per_layer(m, 2, t) == compute + stats
+    assert activations.tpu_saved_per_layer(m, 2, t) == compute + stats
     assert plan.activation_bytes_per_token(m, 2, t, remat=False, tpu=True) \
         == m.layers * (compute + stats)
 
