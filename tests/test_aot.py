@@ -107,6 +107,7 @@ TINY_MAXTEXT = ["override_model_config=true", "base_emb_dim=256", "base_num_quer
 
 @needs_libtpu
 @pytest.mark.skipif(importlib.util.find_spec("maxtext") is None, reason="needs maxtext")
+@pytest.mark.slow  # a MaxText script's engine through Mosaic; the tiny model's stays in the default
 def test_maxtext_scripts_engine_compiles_for_tpu7x(tmp_path):
     """`python -m tunix_mcjax.aot run_qwen3_30b_rl ...`: the script's keys, shrunk; the maxtext
     engine's loop on CombinedPages (JAX's Pallas kernel, through Mosaic) for a TPU7x host."""

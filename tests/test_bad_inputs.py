@@ -195,6 +195,7 @@ def test_reward_failure_ends_within_60s_of_the_failure(tmp_path):
 OVERFLOWS = "reward_functions=tests.workers.bad_rewards:overflows_after_first_step"
 
 
+@pytest.mark.slow  # a launch; the trainer's finite gate is tested in-process
 def test_non_finite_step_stops_keeping_last_good_checkpoint(tmp_path):
     """From step 1 on, rewards overflow float32 in the advantage; the loss is NaN."""
     proc, elapsed = _run(tmp_path, "blowup", "steps=6", OVERFLOWS,

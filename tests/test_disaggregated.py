@@ -80,7 +80,7 @@ def test_two_trainers_one_group_staleness_one_and_one_put_per_publish(tmp_path):
         cluster.close()
 
 
-@pytest.mark.bench  # a learning run; test_da_multinode runs this split on four raylets
+@pytest.mark.bench  # a learning run; test_da_multinode (slow) runs it on four raylets
 def test_demo_on_half_the_hosts_learns_in_ten_steps(tmp_path):
     cfg = load_config(REPO / "recipes/cpu/demo.yml", [
         "rl_runtime=mcjax_da", "rl_trainer_hosts_fraction=0.5", "steps=10",

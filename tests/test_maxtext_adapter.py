@@ -47,6 +47,7 @@ def maxtext_argv(*overrides: str) -> list[str]:
 
 # --- the MaxText command line, end to end ---------------------------------------------------
 
+@pytest.mark.slow  # a 2-host MaxText run; the upstream Qwen3-30B-A3B run is in the slow tier too
 def test_train_rl_runs_on_mcjax_two_hosts(tmp_path):
     assert "rl_runtime=mcjax" in recipe_args()
     res = subprocess.run(["bash", str(CPU_ARGS.with_name("run.sh")),

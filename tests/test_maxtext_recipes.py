@@ -45,6 +45,7 @@ def maxtext_update(micro: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndar
     return initial, flat(trainer.params), metrics
 
 
+@pytest.mark.slow  # two MaxText train steps compiled
 def test_micro_batched_update_equals_one_batch_on_maxtext_model():
     initial, whole, whole_metrics = maxtext_update(4)
     _, split, split_metrics = maxtext_update(1)

@@ -352,6 +352,7 @@ def test_grpo_learner_resumed_from_a_checkpoint_equals_an_uninterrupted_run(
 
 # --- 0004: RLCluster with a per-process rollout ---------------------------------------------------
 
+@pytest.mark.slow  # Tunix over two processes on a pristine or patched copy
 def test_rl_cluster_builds_and_syncs_a_per_process_rollout(pristine_root: Path,
                                                            patched_root: Path) -> None:
     """Actor FSDP over both processes, rollout on each process's own devices."""
@@ -376,6 +377,7 @@ def _generation(root: Path, stops: str) -> list[dict]:
     return run_check_mp(root, "global_mesh_generation.py", stops)
 
 
+@pytest.mark.slow  # Tunix over two processes on a pristine or patched copy
 def test_global_mesh_generation_mixes_processes_rows_without_the_patch(
         pristine_root: Path) -> None:
     pristine = _generation(pristine_root, "equal")
@@ -384,6 +386,7 @@ def test_global_mesh_generation_mixes_processes_rows_without_the_patch(
     assert any(r["completions"] != r["reference"] for r in pristine)
 
 
+@pytest.mark.slow  # Tunix over two processes on a pristine or patched copy
 def test_global_mesh_generation_gives_each_process_its_own_rows(patched_root: Path) -> None:
     """Each process's completions must equal a local decode of its own prompts."""
     patched = _generation(patched_root, "equal")
