@@ -178,7 +178,18 @@ def engine_weight_bytes(cfg: Config, m: ModelShape) -> int:
 
 def paged_shape(cfg: Config, cluster: Cluster, m: ModelShape) -> PagedShape:
     """The jax engine's pool and program for a replica's share, from its own arithmetic."""
-    tp, group = cfg.rollout_tensor_parallelism, cfg.num_generations
+    page_size = cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE
+    one_page = pages.page_bytes(m.layers, m.kv_heads, m.head_dim, page_size,
+                                DTYPE_BYTES[cfg.dtype], cfg.rollout_tensor_parallelism)
+    return paged_shape_of(cfg, cluster, one_page, engine_weight_bytes(cfg, m))
+
+
+def paged_shape_of(cfg: Config, cluster: Cluster, one_page: int,
+                   weight_bytes: int) -> PagedShape:
+    """A paged engine's pool and program for a replica's share, given the bytes of one page
+    and of the engine's weights on a device (the jax engine's from `paged_shape`; the maxtext
+    engine's from its model)."""
+    group = cfg.num_generations
     page_size = cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE
     batched = cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     prompt_cap, max_new = cfg.max_prefill_predict_length, cfg.max_completion_length
@@ -190,11 +201,9 @@ def paged_shape(cfg: Config, cluster: Cluster, m: ModelShape) -> PagedShape:
     n, u = pow2_at_least(requests), pow2_at_least(distinct)
     slots = n if lockstep else min(n, pow2_at_least(cfg.rollout_max_batch_size))
     prompt_len = prompt_bucket(prompt_cap, prompt_cap)
-    one_page = pages.page_bytes(m.layers, m.kv_heads, m.head_dim, page_size,
-                                DTYPE_BYTES[cfg.dtype], tp)
     needed = pages.pages_needed(pow2_at_least(cfg.rollout_max_batch_size), prompt_cap,
                                 max_new, page_size)
-    budget = int(cfg.hbm_utilization_vllm * cluster.device_bytes) - engine_weight_bytes(cfg, m)
+    budget = int(cfg.hbm_utilization_vllm * cluster.device_bytes) - weight_bytes
     pool = pages.pool_pages(budget, one_page, needed)
     chunk, rows_per_budget = pages.prefill_chunk(prompt_len, batched)
     return PagedShape(

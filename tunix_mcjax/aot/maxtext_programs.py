@@ -20,20 +20,17 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tunix_mcjax import plan
-from tunix_mcjax.aot.programs import Program, loop_inputs, sds
+from tunix_mcjax.aot.programs import Program, loop_inputs, program_shape, sds
 from tunix_mcjax.aot.target import Target
 from tunix_mcjax.config import Config
 from tunix_mcjax.engine import pages
-from tunix_mcjax.engine.buckets import pow2_at_least, prompt_bucket
 from tunix_mcjax.engine.decode_loop import build_program
-from tunix_mcjax.engine.loop_state import ProgramShape
 from tunix_mcjax.engine.maxtext_model import (
     MaxTextPagedModel,
     decode_config,
     local_mesh,
     param_specs,
 )
-from tunix_mcjax.engine.options import DEFAULT_MAX_NUM_BATCHED_TOKENS
 from tunix_mcjax.engine.paged_attention import CombinedPages
 from tunix_mcjax.engine.sampling import SamplerSpec
 from tunix_mcjax.runtime.phases import sampling_params
@@ -72,33 +69,6 @@ def engine_params(config: Any, mesh) -> tuple[dict, int]:
     return tree, per_device
 
 
-def program_shape(cfg: Config, target: Target, page_bytes: int, weight_bytes: int) -> ProgramShape:
-    """One replica's loop for a full share at the caps, its pool as the engine sizes it
-    (`hbm_utilization_vllm` of a device less the weights; `JaxEngine._pages_for`)."""
-    page_size = cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE
-    prompt_cap, max_new = cfg.max_prefill_predict_length, cfg.max_completion_length
-    replicas = plan.engine_replicas(cfg, target.cluster())
-    requests = -(-cfg.global_rows // target.hosts // replicas)
-    if not cfg.rollout_continuous_batching:
-        requests = min(requests, cfg.rollout_max_batch_size)
-    distinct = plan.share_prompts(requests, cfg.num_generations) \
-        if cfg.enable_prefix_caching else requests
-    n, u = pow2_at_least(requests), pow2_at_least(distinct)
-    needed = pages.pages_needed(pow2_at_least(cfg.rollout_max_batch_size), prompt_cap, max_new,
-                                page_size)
-    budget = int(cfg.hbm_utilization_vllm * target.chip.hbm_bytes) - weight_bytes
-    prompt_len = prompt_bucket(prompt_cap, prompt_cap)
-    chunk, rows = pages.prefill_chunk(
-        prompt_len, cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS)
-    group = pow2_at_least(min(cfg.num_generations, requests))
-    return ProgramShape(
-        num_requests=n, num_slots=min(n, pow2_at_least(cfg.rollout_max_batch_size)),
-        num_prompts=u, prompt_len=prompt_len, max_new=max_new, page_size=page_size,
-        num_pages=pages.pool_pages(budget, page_bytes, needed), chunk=chunk,
-        prefill_rows=max(1, min(u, rows)),
-        group_size=group if cfg.enable_prefix_caching else 1, pack_decode_rows=False)
-
-
 def pool_shapes(model: MaxTextPagedModel, num_pages: int, page_size: int) -> list[Any]:
     """The engine's pool (a list over KV slots) as sharded ShapeDtypeStructs."""
     made = jax.eval_shape(lambda: [
@@ -116,9 +86,11 @@ def engine_loop(config: Any, cfg: Config, target: Target) -> tuple[Program, dict
     mesh = local_mesh(engine_cfg, np.array(target.devices[:tp]))
     params, weight_bytes = engine_params(engine_cfg, mesh)
     model = MaxTextPagedModel(engine_cfg, mesh, CombinedPages())
-    shape = program_shape(cfg, target, model.page_bytes(cfg.vllm_block_size
-                                                        or pages.DEFAULT_PAGE_SIZE, tp),
-                          weight_bytes)
+    # One replica's loop for a full share at the caps, its pool as the engine sizes it; the
+    # maxtext engine decodes every slot (no packed decode rows).
+    one_page = model.page_bytes(cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE, tp)
+    shape = program_shape(cfg, plan.paged_shape_of(cfg, target.cluster(), one_page, weight_bytes),
+                          pack_decode_rows=False)
     spec = SamplerSpec.of(sampling_params(cfg), engine_cfg.vocab_size)
     fn = build_program(model, shape, spec, None, engine_cfg.vocab_size)
     pool = pool_shapes(model, shape.num_pages, shape.page_size)
