@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -162,6 +163,20 @@ def test_reward_raising_on_one_host_ends_every_host_fast(tmp_path):
     assert "host 0: stopping in phase 'pack' because another host failed: host 1: RewardError" \
         in out or "stopping because another host failed first: host 1: RewardError" in out
     assert "step    0 |" not in out  # host 0 did not train on alone
+
+
+def test_a_failed_hosts_peers_end_themselves_before_the_launcher_stops_them():
+    """A peer that ends itself within PEER_EXIT_S keeps its own exit status (and says why
+    itself); one still running then is stopped."""
+    from tunix_mcjax import launch
+
+    sleep = "import time; time.sleep({}); raise SystemExit({})"
+    fails, ends, stuck = (subprocess.Popen([sys.executable, "-c", sleep.format(s, code)])
+                          for s, code in ((0, 1), (1, 9), (600, 0)))
+    t0 = time.monotonic()
+    assert launch.supervise([fails, ends, stuck]) == 1
+    assert (ends.returncode, stuck.returncode) == (9, -signal.SIGTERM)
+    assert launch.PEER_EXIT_S <= time.monotonic() - t0 < launch.PEER_EXIT_S + launch.GRACE_S
 
 
 @pytest.mark.slow  # a launch; a raising reward's end stays in the default suite
