@@ -245,11 +245,15 @@ def maxtext_refusal(cell: Cell, extra: list[str]) -> str:
 
 def run_cells(cells: list[Cell], out: Path, extra: dict[str, list[str]],
               steps: dict[str, int], timeout_s: float) -> dict[str, str]:
-    """Launches each cell in turn; returns {cell name: refusal} for those refused."""
+    """Launches each cell not measured yet in turn; returns {cell name: refusal} for those
+    refused."""
     from tunix_mcjax.bench.step import execute
 
     refusals: dict[str, str] = {}
     for i, cell in enumerate(cells, 1):
+        if (out / "runs" / cell.name / "bench_meta.json").is_file():
+            print(f"[{i}/{len(cells)}] {cell.name}: measured already (remove its run to redo)")
+            continue
         keys = extra[cell.recipe]
         why = (maxtext_refusal if cell.recipe == "maxtext" else config_refusal)(cell, keys)
         print(f"[{i}/{len(cells)}] {cell.name}" + (f": refused ({why})" if why else ""),
