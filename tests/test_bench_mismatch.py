@@ -104,5 +104,7 @@ def test_plan_names_each_cell_once():
     names = [c.name for c in cells]
     assert len(names) == len(set(names)) == 8 + 5 + 4  # the CO bf16 jax seed 0 cell is shared
     assert "demo-jax-bf16-co-s0" in names and "demo-jax-bf16-co-tistoken-s2" in names
-    assert mismatch.launch_refusal("x\n[host 0] ConfigError: no maxtext\n") == "no maxtext"
-    assert mismatch.launch_refusal("Traceback: ValueError: boom") == ""
+    log = ("[host 0] host 0: config error: no maxtext\n[host 1] host 1: stopping in phase "
+           "'build' because another host failed: host 0: config error: no maxtext\n")
+    assert mismatch.launch_refusal(log) == "no maxtext"
+    assert mismatch.launch_refusal("[host 0] host 0: ValueError: boom") == ""

@@ -220,9 +220,10 @@ def config_refusal(cell: Cell, extra: list[str]) -> str:
 
 
 def launch_refusal(log_text: str) -> str:
-    """The ConfigError a failed launch's log names ('' when it failed otherwise)."""
-    found = re.findall(r"ConfigError: (.+)", log_text)
-    return found[-1].strip() if found else ""
+    """The config error a failed launch's log names, as the launch reports a host's ConfigError
+    (`host N: config error: ...`); '' when it failed otherwise."""
+    found = re.findall(r"host \d+: config error: (.+)", log_text)
+    return found[0].strip() if found else ""
 
 
 def maxtext_refusal(cell: Cell, extra: list[str]) -> str:
