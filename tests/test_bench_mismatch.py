@@ -102,7 +102,8 @@ def test_learning_summary_refuses_unpaired_arms():
 def test_plan_names_each_cell_once():
     cells = mismatch.plan(mismatch.PARTS, seeds=3, hosts=2, devices_per_host=2)
     names = [c.name for c in cells]
-    assert len(names) == len(set(names)) == 8 + 5 + 4  # the CO bf16 jax seed 0 cell is shared
+    assert len(names) == len(set(names)) == 8 + 5 + 4 + 5  # bf16 jax seed 0 cells are shared
+    assert "demo-jax-bf16-da-tistoken-s1" in names
     assert "demo-jax-bf16-co-s0" in names and "demo-jax-bf16-co-tistoken-s2" in names
     log = ("[host 0] host 0: config error: no maxtext\n[host 1] host 1: stopping in phase "
            "'build' because another host failed: host 0: config error: no maxtext\n")

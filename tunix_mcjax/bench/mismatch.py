@@ -15,6 +15,7 @@ Cells, one launch each, run one at a time (--parts picks which):
   learn     the demo in CO with bfloat16 rollout weights, sampler_is none against token (TIS),
             seeds 0..N-1 (a seed fixes the prompt order and sampling); `none` seed 0 is the
             mismatch part's CO bfloat16 jax cell.
+  learn_da  the same under DA (rl_runtime=mcjax_da), where the engine is one update stale.
 Statistics (pure functions, tests/test_bench_mismatch.py): per cell and metric, the median over
 steps with a 95% bootstrap interval resampling blocks of bench.stats.BLOCK_STEPS consecutive steps
 (consecutive steps are not independent), and the max over steps. Learning, per arm: steps to a
@@ -43,7 +44,8 @@ from tunix_mcjax.bench import learn, stats
 
 METRICS = ("mismatch_abs_mean", "mismatch_abs_max", "mismatch_seq_log_ratio", "mismatch_k3",
            "mismatch_out_frac")
-PARTS = ("mismatch", "maxtext", "learn")
+PARTS = ("mismatch", "maxtext", "learn", "learn_da")
+MODES = {"mcjax": "learn", "mcjax_da": "learn_da"}  # rl_runtime: its learning part
 DEMO = Path("recipes/cpu/demo.yml")
 MAXTEXT_ARGS = Path("recipes/maxtext/cpu/qwen3_tiny.args")
 MAXTEXT_RL_YML = "src/maxtext/configs/post_train/rl.yml"
@@ -197,9 +199,10 @@ def plan(parts: Sequence[str], seeds: int, hosts: int, devices_per_host: int) ->
     if "mismatch" in parts:
         cells += [Cell("demo", e, w, r, **layout) for r in ("mcjax", "mcjax_da")
                   for e in ("jax", "maxtext") for w in ("float32", "bfloat16")]
-    if "learn" in parts:
-        cells += [Cell("demo", "jax", "bfloat16", "mcjax", tis, s, **layout)
-                  for s in range(seeds) for tis in ("none", "token")]
+    for runtime, part in MODES.items():
+        if part in parts:
+            cells += [Cell("demo", "jax", "bfloat16", runtime, tis, s, **layout)
+                      for s in range(seeds) for tis in ("none", "token")]
     if "maxtext" in parts:
         cells += [Cell("maxtext", e, w, "mcjax", hosts=hosts, devices_per_host=1)
                   for e in ("jax", "maxtext") for w in ("float32", "bfloat16")]
@@ -304,10 +307,11 @@ def cell_row(cell: Cell, out: Path, refusals: dict[str, str]) -> dict:
                                                     meta["loadavg_1m_after"]]}
 
 
-def learning_arms(cells: list[Cell], out: Path) -> dict[str, list[learn.SeedResult]]:
-    """The learn part's runs as bench.learn's SeedResults, per sampler_is arm, by seed."""
+def learning_arms(cells: list[Cell], out: Path, runtime: str
+                  ) -> dict[str, list[learn.SeedResult]]:
+    """A learning part's runs as bench.learn's SeedResults, per sampler_is arm, by seed."""
     arms: dict[str, list[learn.SeedResult]] = {}
-    for cell in sorted((c for c in cells if c.recipe == "demo" and c.runtime == "mcjax"
+    for cell in sorted((c for c in cells if c.recipe == "demo" and c.runtime == runtime
                         and c.engine == "jax" and c.weights == "bfloat16"),
                        key=lambda c: c.seed):
         arms.setdefault(cell.arm, []).append(learn.load_result(cell, out))
@@ -316,17 +320,20 @@ def learning_arms(cells: list[Cell], out: Path) -> dict[str, list[learn.SeedResu
 
 def build_report(cells: list[Cell], out: Path, refusals: dict[str, str], target: float,
                  window: int, context: dict) -> dict:
-    """report.json's content: every cell's row and, with the learn part, its summary."""
+    """report.json's content: every cell's row and, per learning part, its summary (under
+    `learning`, by rl_runtime)."""
     rows = [cell_row(c, out, refusals) for c in cells]
-    learn_cells = [c for c in cells if c.sampler_is == "token" or c.seed > 0]
-    rep = {"context": context, "cells": rows, "learning": None}
-    if learn_cells:
-        rep["learning"] = learning_summary(learning_arms(cells, out), target, window)
-        for arm, block in rep["learning"]["arms"].items():
+    rep = {"context": context, "cells": rows, "learning": {}}
+    for runtime in MODES:
+        if not any(c.runtime == runtime and c.sampler_is == "token" for c in cells):
+            continue
+        summary = learning_summary(learning_arms(cells, out, runtime), target, window)
+        for arm, block in summary["arms"].items():
             block["loadavg_1m"] = [r["loadavg_1m"] for r in rows if "refused" not in r
                                    and r["sampler_is"] == arm and r["engine"] == "jax"
-                                   and r["rl_runtime"] == "mcjax"
+                                   and r["rl_runtime"] == runtime and r["recipe"] == "demo"
                                    and r["rollout_weight_dtype"] == "bfloat16"]
+        rep["learning"][runtime] = summary
     return rep
 
 
@@ -399,9 +406,10 @@ def markdown(rep: dict) -> str:
              "bootstrap]; abs max and out-of-bounds share also their max over steps. Load 1m: "
              "the machine's 1-minute load average before/after the launch.", "",
              *mismatch_markdown(rep["cells"]), ""]
-    if rep["learning"]:
-        lines += ["## Learning with and without TIS (CO, bfloat16 rollout weights)", "",
-                  *learning_markdown(rep["learning"]), ""]
+    for runtime, summary in rep["learning"].items():
+        mode = "CO" if runtime == "mcjax" else "DA"
+        lines += [f"## Learning with and without TIS ({mode}, bfloat16 rollout weights)", "",
+                  *learning_markdown(summary), ""]
     return "\n".join(lines)
 
 
@@ -423,12 +431,14 @@ def plot(rep: dict, out: Path) -> Path:
     left.set_xlabel("step")
     left.set_ylabel("mismatch_abs_mean")
     left.legend(fontsize=7)
-    if rep["learning"]:
-        for arm, band in rep["learning"]["curves"].items():
+    for runtime, summary in rep["learning"].items():
+        for arm, band in summary["curves"].items():
             x = np.arange(len(band["median"])) + band["first_step"]
-            right.plot(x, band["median"], label=f"sampler_is={arm}")
-            right.fill_between(x, band["ci_low"], band["ci_high"], alpha=0.25)
-        right.axhline(rep["learning"]["target"], color="grey", ls="--", lw=0.8)
+            right.plot(x, band["median"], ls="-" if runtime == "mcjax" else "--",
+                       label=f"{'CO' if runtime == 'mcjax' else 'DA'} sampler_is={arm}")
+            right.fill_between(x, band["ci_low"], band["ci_high"], alpha=0.2)
+        right.axhline(summary["target"], color="grey", ls=":", lw=0.8)
+    if rep["learning"]:
         right.set_xlabel("step")
         right.set_ylabel("accuracy (trailing mean), seed median")
         right.legend(loc="lower right")
@@ -452,7 +462,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--maxtext-steps", type=int, default=30,
                    help="steps (num_batches) of each MaxText launch; its recipe's parquet holds "
                    "32 batches")
-    p.add_argument("--seeds", type=int, default=3, help="learn part: seeds 0..N-1")
+    p.add_argument("--seeds", type=int, default=3, help="learning parts: seeds 0..N-1")
     p.add_argument("--hosts", type=int, default=2, help="hosts of every launch")
     p.add_argument("--devices-per-host", type=int, default=2, help="demo launches' (MaxText's: 1)")
     p.add_argument("--target", type=float, default=0.9, help="accuracy target")
