@@ -109,3 +109,12 @@ def test_plan_names_each_cell_once():
            "'build' because another host failed: host 0: config error: no maxtext\n")
     assert mismatch.launch_refusal(log) == "no maxtext"
     assert mismatch.launch_refusal("[host 0] host 0: ValueError: boom") == ""
+
+
+def test_maxtext_float32_cells_leave_out_the_key_maxtext_lacks():
+    keys = mismatch.Cell("maxtext", "maxtext", "float32", "mcjax").overrides()
+    assert keys == ["rollout_engine=maxtext", "rl_runtime=mcjax"]
+    assert "rollout_weight_dtype=bfloat16" in mismatch.Cell(
+        "maxtext", "jax", "bfloat16", "mcjax").overrides()
+    assert "rollout_weight_dtype=float32" in mismatch.Cell(
+        "demo", "jax", "float32", "mcjax").overrides()

@@ -170,8 +170,11 @@ class Cell:
         return f"{self.recipe}-{self.engine}-{dtype}-{mode}{tis}-s{self.seed}"
 
     def overrides(self) -> list[str]:
-        keys = [f"rollout_engine={self.engine}", f"rollout_weight_dtype={self.weights}",
-                f"rl_runtime={self.runtime}"]
+        """The cell's keys. MaxText's recipe trains in float32 (weight_dtype) and has no
+        rollout_weight_dtype key: its float32 cells leave the key out."""
+        keys = [f"rollout_engine={self.engine}", f"rl_runtime={self.runtime}"]
+        if self.recipe == "demo" or self.weights != "float32":
+            keys.append(f"rollout_weight_dtype={self.weights}")
         if self.recipe == "demo":
             keys += [f"sampler_is={self.sampler_is}", f"seed={self.seed}"]
         return keys
@@ -491,6 +494,7 @@ def main(argv: list[str] | None = None) -> None:
     refusals = json.loads(refusals_file.read_text()) if refusals_file.is_file() else {}
     if not args.report_only:
         out.mkdir(parents=True, exist_ok=True)
+        refusals = {k: v for k, v in refusals.items() if k not in {c.name for c in cells}}
         refusals.update(run_cells(cells, out, extra,
                                   {"demo": args.steps, "maxtext": args.maxtext_steps},
                                   args.timeout_s))
