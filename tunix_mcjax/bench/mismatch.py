@@ -195,8 +195,9 @@ def maxtext_args() -> list[str]:
     return [s for s in lines if s and not s.startswith("#") and not s.startswith(MAXTEXT_OWN)]
 
 
-def plan(parts: Sequence[str], seeds: int, hosts: int, devices_per_host: int) -> list[Cell]:
-    """The cells of `parts`, each once, in launch order."""
+def plan(parts: Sequence[str], seeds: int, hosts: int, devices_per_host: int,
+         da_seeds: int | None = None) -> list[Cell]:
+    """The cells of `parts`, each once, in launch order (learn_da: `da_seeds`, else `seeds`)."""
     layout = {"hosts": hosts, "devices_per_host": devices_per_host}
     cells: list[Cell] = []
     if "mismatch" in parts:
@@ -204,8 +205,9 @@ def plan(parts: Sequence[str], seeds: int, hosts: int, devices_per_host: int) ->
                   for e in ("jax", "maxtext") for w in ("float32", "bfloat16")]
     for runtime, part in MODES.items():
         if part in parts:
+            n = da_seeds if runtime == "mcjax_da" and da_seeds else seeds
             cells += [Cell("demo", "jax", "bfloat16", runtime, tis, s, **layout)
-                      for s in range(seeds) for tis in ("none", "token")]
+                      for s in range(n) for tis in ("none", "token")]
     if "maxtext" in parts:
         cells += [Cell("maxtext", e, w, "mcjax", hosts=hosts, devices_per_host=1)
                   for e in ("jax", "maxtext") for w in ("float32", "bfloat16")]
@@ -466,6 +468,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="steps (num_batches) of each MaxText launch; its recipe's parquet holds "
                    "32 batches")
     p.add_argument("--seeds", type=int, default=3, help="learning parts: seeds 0..N-1")
+    p.add_argument("--da-seeds", type=int, default=0, help="learn_da's seeds (0: --seeds)")
     p.add_argument("--hosts", type=int, default=2, help="hosts of every launch")
     p.add_argument("--devices-per-host", type=int, default=2, help="demo launches' (MaxText's: 1)")
     p.add_argument("--target", type=float, default=0.9, help="accuracy target")
@@ -487,7 +490,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     out: Path = args.out
-    cells = plan(args.parts, args.seeds, args.hosts, args.devices_per_host)
+    cells = plan(args.parts, args.seeds, args.hosts, args.devices_per_host, args.da_seeds)
     extra = {"demo": [f"steps={args.steps}"],
              "maxtext": [f"num_batches={args.maxtext_steps}", "num_test_batches=0"]}
     refusals_file = out / "refusals.json"
@@ -502,6 +505,7 @@ def main(argv: list[str] | None = None) -> None:
     context = {"demo": str(DEMO), "maxtext_args": str(MAXTEXT_ARGS), "steps": args.steps,
                "maxtext_steps": args.maxtext_steps, "hosts": args.hosts,
                "devices_per_host": args.devices_per_host, "seeds": args.seeds,
+               "da_seeds": args.da_seeds or args.seeds,
                "parts": args.parts}
     rep = build_report(cells, out, refusals, args.target, args.window, context)
     (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
