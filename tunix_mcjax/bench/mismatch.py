@@ -480,8 +480,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.parts = [s for s in args.parts.split(",") if s]
     if bad := sorted(set(args.parts) - set(PARTS)):
         p.error(f"--parts: unknown {', '.join(bad)}; choose from {', '.join(PARTS)}")
-    if min(args.steps, args.maxtext_steps, args.seeds, args.window) < 1:
-        p.error("--steps, --maxtext-steps, --seeds and --window must be >= 1")
+    if min(args.steps, args.maxtext_steps, args.seeds, args.window) < 1 or args.da_seeds < 0:
+        p.error("--steps, --maxtext-steps, --seeds and --window must be >= 1, --da-seeds >= 0")
     if not 0 < args.target <= 1:
         p.error("need 0 < --target <= 1")
     return args
