@@ -13,6 +13,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -301,6 +302,21 @@ def test_stuck_phase_ends_by_its_own_budget():
     assert elapsed < 20
     assert "host 0: phase 'pack' waited more than 1s on other hosts (one is dead or stuck); " \
            "aborting. Raise collective_timeout_s if this phase is just slow." in proc.stderr
+
+
+def test_a_closed_watchdog_has_ended_its_thread():
+    """A run's watchdog is closed at exit (atexit), before JAX shuts its client down: no thread
+    is left polling that client while the interpreter finalizes."""
+    from tunix_mcjax.topology import Watchdog
+
+    def watching() -> int:
+        return sum(t.name == "watchdog" and t.is_alive() for t in threading.enumerate())
+
+    before = watching()
+    w = Watchdog(0, timeout_s=60.0)
+    assert watching() == before + 1
+    w.close()
+    assert watching() == before
 
 
 def test_a_watchdog_needs_a_positive_timeout():
