@@ -508,8 +508,7 @@ def main(argv: list[str] | None = None) -> None:
                "da_seeds": args.da_seeds or args.seeds,
                "parts": args.parts}
     rep = build_report(cells, out, refusals, args.target, args.window, context)
-    (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
-    (out / "report.md").write_text(markdown(rep))
+    learn.write_report(out, rep, markdown(rep))
     print(f"wrote {plot(rep, out)}")
     print(markdown(rep))
 
