@@ -76,14 +76,14 @@ def numpy_weights(logps, old, mask, seg, corr: loss.Corrections) -> np.ndarray:
         for s in np.unique(seg[row]):
             at = seg[row] == s
             seq_r[row, at] = np.clip(r[row, at].sum(), -20, 20)
-    w = np.ones_like(r)
+    ratio = {"none": np.ones_like(r), "token": np.exp(r), "sequence": np.exp(seq_r)}
+    tis = ratio[corr.sampler_is]
     if corr.sampler_is != "none":
-        level = r if corr.sampler_is == "token" else seq_r
-        w = np.minimum(np.exp(level), corr.sampler_is_threshold)
-    if corr.rollout_rs != "none":
-        ratio = np.exp(r if corr.rollout_rs == "token" else seq_r)
-        w = w * ((ratio >= corr.rollout_rs_lower) & (ratio <= corr.rollout_rs_upper))
-    return w
+        tis = np.minimum(tis, corr.sampler_is_threshold)
+    mis = ratio[corr.rollout_rs]
+    kept = (corr.rollout_rs == "none") | ((corr.rollout_rs_lower <= mis)
+                                          & (mis <= corr.rollout_rs_upper))
+    return tis * kept
 
 
 @pytest.mark.parametrize("case", list(CASES))

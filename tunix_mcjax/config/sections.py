@@ -241,10 +241,9 @@ class RolloutCorrection:
     sampler_is_threshold: float = key(
         2.0, "The TIS cap: the largest weight (Tunix's default 2.0).", check=positive())
     rollout_rs: Literal["none", "token", "sequence"] = key(
-        "none", "Masked importance sampling (MIS, verl's rollout rejection sampling): a token "
-        "(token) or a whole sequence (sequence) whose p_trainer / p_rollout ratio leaves "
-        "[rollout_rs_threshold_lower, rollout_rs_threshold] gets no policy gradient; the "
-        "clipped ratio is taken against the trainer's own logprobs; none: off.")
+        "none", "Masked importance sampling (MIS, verl's rollout rejection sampling): no policy "
+        "gradient for a token (token) or whole sequence (sequence) whose p_trainer / p_rollout "
+        "leaves [rollout_rs_threshold_lower, rollout_rs_threshold]; ratio as TIS's; none: off.")
     rollout_rs_threshold: float = key(
         2.0, "MIS's upper bound of the ratio (verl's rollout_rs_threshold).",
         check=Check(lambda v: 1 < v < math.inf, "> 1", "> 1 (the upper bound of the ratio)"))
