@@ -89,6 +89,7 @@ def test_tiny_model_programs_compile_for_tpu7x(tmp_path):
         # XLA's argument bytes are the shards we passed (tiled padding aside).
         assert abs(row["arguments"] / row["argument_shapes_bytes"] - 1) < 0.25, row
         assert 0 < row["peak"] < TPU7X_DEVICE_BYTES
+        assert 0 < row["compile_cpu_s"] and row["load_1m"] >= 0, row
     loop = programs["engine decode loop"]
     assert loop["aliased"] > 0  # the donated page pool is updated in place
     assert loop["fits"] and programs["train step"]["fits"]

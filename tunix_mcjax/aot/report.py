@@ -3,6 +3,7 @@ planner's figure for its phase, and the decode step's cost against the HBM roofl
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Any
@@ -43,18 +44,20 @@ def compile_program(program: Program, target: Target, p: plan.Plan
     """Compiles `program`; its phase's peak is XLA's peak for it plus what the other programs
     hold meanwhile (`resident`, from their shapes), beside the planner's peak for the phase."""
     progress(f"compiling {program.name} for {target.topology} ...")
-    start = time.perf_counter()
+    load_1m = os.getloadavg()[0]  # this host is shared: its load moves the wall seconds
+    start, cpu = time.perf_counter(), time.process_time()
     try:
         compiled = program.lowered.compile()
     except Exception as e:  # XLA refuses programs that do not fit its HBM
         progress(f"{program.name}: XLA refused it: {str(e).splitlines()[0][:300]}")
         return {"name": program.name, "phase": program.phase, "compiled": False,
                 "error": str(e).splitlines()[0][:1000], "fits": False}, None
-    seconds = time.perf_counter() - start
-    progress(f"{program.name}: compiled in {seconds:.1f} s")
+    seconds, cpu_seconds = time.perf_counter() - start, time.process_time() - cpu
+    progress(f"{program.name}: compiled in {seconds:.1f} s ({cpu_seconds:.1f} CPU s)")
     figures = memory_figures(compiled)
     row = {"name": program.name, "phase": program.phase, "compiled": True,
-           "compile_s": round(seconds, 2), **figures,
+           "compile_s": round(seconds, 2), "compile_cpu_s": round(cpu_seconds, 2),
+           "load_1m": round(load_1m, 2), **figures,
            "argument_shapes_bytes": shard_bytes(program.args)}
     if program.resident is not None:
         resident = shard_bytes(program.resident)
