@@ -25,6 +25,9 @@ from tests.mp import REPO  # noqa: E402
 from tests.test_maxtext_engine import CPU, FAMILIES  # noqa: E402
 from tunix_mcjax import patches  # noqa: E402
 
+# The subprocess builds two families' models twice (trainer and engine): minutes on a busy CPU.
+pytestmark = pytest.mark.timeout(1800)
+
 MAXTEXT = patches.TARGETS["maxtext"]
 REPLAY_PATCH = next(p for p in patches.series(MAXTEXT) if p.name.startswith("0004"))
 MOE_FAMILIES = ("qwen3_moe", "gpt_oss")
