@@ -83,14 +83,18 @@ def test_replaying_other_experts_changes_the_logits(replay_report: dict, family:
 def test_the_trainer_replaying_the_engines_routing_scores_its_logprobs(replay_report: dict,
                                                                        family: str) -> None:
     """fp32, the rollout's weights: with replay the trainer's logprobs of the rollout tokens
-    equal the engine's within 1e-4; routing on its own, near-tied routers move some tokens to
-    other experts and the logprobs differ (the check can fail)."""
+    equal the engine's within 1e-4."""
     out = replay_report[family]["engine"]
     assert out["rest_routed"] and out["unrun_is_minus_one"]
     assert [shape[0] for shape in out["routing_shapes"]] == [a + n for a, n in out["lengths"]]
     assert all(shape[1:] == [2, 2] for shape in out["routing_shapes"])
     assert out["replay"] < 1e-4
-    assert out["own"] > 1e-3
+
+
+def test_without_replay_the_near_tied_routes_flip(replay_report: dict) -> None:
+    """The check above can fail: routing on its own, the trainer moves some Qwen3 MoE tokens to
+    other experts. (gpt-oss's routes did not flip at this tie: 6.4e-5 either way.)"""
+    assert replay_report["qwen3_moe"]["engine"]["own"] > 1e-3
 
 
 def test_the_replay_patch_touches_only_moe_routing_files() -> None:
