@@ -4,8 +4,12 @@ VENV := .venv
 PY := $(VENV)/bin/python
 HOSTS ?= 2
 DEVICES ?= 2
+# pytest-xdist workers for make test / test-slow. A test module runs whole on one worker, so
+# its shared launches, engines and Ray clusters are built once.
+TEST_WORKERS ?= 2
+PYTEST_WORKERS := -n $(TEST_WORKERS) --dist loadfile
 
-.PHONY: setup setup-tpu-compiler demo test test-all lint lock clean docs docs-clean
+.PHONY: setup setup-tpu-compiler demo test test-slow test-all lint lock clean docs docs-clean
 
 setup: $(VENV)/.patched
 
@@ -45,7 +49,11 @@ demo: $(VENV)/.patched
 	$(PY) -m tunix_mcjax.launch --hosts $(HOSTS) --devices-per-host $(DEVICES) recipes/cpu/demo.yml
 
 test: $(VENV)/.patched $(LIBTPU)/.installed
-	$(PY) -m pytest -q --durations=25  # the slowest tests: the suite's time budget
+	$(PY) -m pytest -q $(PYTEST_WORKERS) --durations=25  # the slowest: the time budget
+
+# The second tier, which CI runs after the default suite (.ci/run).
+test-slow: $(VENV)/.patched $(LIBTPU)/.installed
+	$(PY) -m pytest -q $(PYTEST_WORKERS) -m "slow and not bench" --durations=25
 
 test-all: $(VENV)/.patched $(LIBTPU)/.installed
 	$(PY) -m pytest -q -m ""

@@ -22,6 +22,7 @@ EXTRAS = {
     "dev": [
         "pytest==9.2.0",
         "pytest-timeout==2.4.0",
+        "pytest-xdist==3.8.0",  # make test: the suite on every core
         "ruff==0.17.5",
         "matplotlib==3.11.2",
         "psutil==7.2.2",

@@ -16,6 +16,8 @@ import tempfile
 _OWN_CACHE = "JAX_COMPILATION_CACHE_DIR" not in os.environ
 if _OWN_CACHE:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="mcjax-test-jax-cache-")
+# MaxText's runs take it as their jax_cache_dir (whose default is ~/jax_cache).
+os.environ.setdefault("M_JAX_CACHE_DIR", os.environ["JAX_COMPILATION_CACHE_DIR"])
 # Every program, however small or quick to compile (JAX's defaults skip those under 1 s).
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")

@@ -68,7 +68,7 @@ def test_environment_failing_on_one_host_ends_every_host(tmp_path):
     assert "step    0 |" not in out
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # three training runs of the tool demo: a learning check
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_tool_demo_learns(tmp_path, seed):
     """From random init (reward ~0.01: a call, then the right digit by chance) to using the

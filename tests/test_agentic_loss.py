@@ -18,6 +18,7 @@ from tunix.rl import common, function_registry
 from tunix.rl.agentic import agentic_grpo_learner
 
 from tests.mp import REPO, TINY
+from tests.test_phases import assert_applied
 from tunix_mcjax import models, topology
 from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.rewards import group_advantages
@@ -104,10 +105,32 @@ def _cfg(**changes):
     return load_config(REPO / "recipes/cpu/demo.yml", SHAPE).replace(**changes)
 
 
-@pytest.fixture(scope="module")
-def batch():
+def agentic_batch():
+    """The trajectories with their group advantages."""
     prompts, convs, masks, rewards = trajectories()
     return prompts, convs, masks, group_advantages(rewards, G)
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return agentic_batch()
+
+
+def agentic_setup(cfg, batch, noise: float):
+    """Our trainer and Tunix's agentic reference from the same initial params, and the batch
+    packed with behaviour logprobs: Tunix's own plus `noise` x N(0, 1) on model tokens."""
+    prompts, convs, masks, adv = batch
+    mesh = topology.trainer_mesh(topology.current())
+    policy, params = qwen3_policy(models.create_model(models.model_config(cfg, VOCAB), 123, mesh))
+    initial = _flat(params)
+    ref = TunixAgentic(cfg, prompts, convs, masks, adv, initial)
+    draws = np.random.default_rng(5).standard_normal(ref.completion_ids.shape)
+    behaviour = ((ref.logps() + noise * draws) * ref.mask).astype(np.float32)
+    seqs = [packing.Sequence(prompts[j // G], c, float(adv[j]), behaviour[j, :len(c)], m)
+            for j, (c, m) in enumerate(zip(convs, masks, strict=True))]
+    local, _ = phases.pack(cfg, seqs, 0, 1, None)
+    trainer = Trainer(cfg, policy, params, mesh, tx=optax.sgd(LR))
+    return trainer, local, ref, initial, behaviour
 
 
 def test_packed_rows_carry_loss_only_on_model_tokens(batch):
@@ -130,34 +153,18 @@ def test_packed_rows_carry_loss_only_on_model_tokens(batch):
 @pytest.mark.parametrize("epsilon_high", [None, 0.28])
 @pytest.mark.parametrize("off_policy", [False, True])
 def test_agentic_update_equals_tunix(batch, epsilon_high, off_policy):
-    prompts, convs, masks, adv = batch
     cfg = _cfg(epsilon_high=-1.0 if epsilon_high is None else epsilon_high)
-    mesh = topology.trainer_mesh(topology.current())
-    model = models.create_model(models.model_config(cfg, VOCAB), 123, mesh)
-    policy, params = qwen3_policy(model)
-    initial = _flat(params)
-    ref = TunixAgentic(cfg, prompts, convs, masks, adv, initial)
-    noise = np.random.default_rng(5).standard_normal(ref.completion_ids.shape)
-    behaviour = ((ref.logps() + 0.3 * noise) * ref.mask).astype(np.float32)
-    seqs = [packing.Sequence(prompts[j // G], c, float(adv[j]), behaviour[j, :len(c)], m)
-            for j, (c, m) in enumerate(zip(convs, masks, strict=True))]
-    local, _ = phases.pack(cfg, seqs, 0, 1, None)
-    trainer = Trainer(cfg, policy, params, mesh, tx=optax.sgd(LR))
+    trainer, local, ref, initial, behaviour = agentic_setup(cfg, batch, noise=0.3)
     got = trainer.step(local, off_policy=off_policy)
 
     ref_loss, want = ref.grads(behaviour if off_policy else None, epsilon_high)
     assert got["loss"] == pytest.approx(ref_loss, rel=1e-5, abs=1e-7)
-    final = _flat(trainer.params)
-    for key, grad in want.items():
-        applied = (initial[key].astype(np.float64) - final[key]) / LR
-        assert np.abs(grad).max() > 0, key
-        np.testing.assert_allclose(applied, grad, rtol=1e-5, atol=1e-5 * np.abs(grad).max(),
-                                   err_msg=key)
+    assert_applied(initial, trainer.params, want, LR)
     if off_policy:  # the upper clip binds on this batch: epsilon_high changes the update
         _, other = ref.grads(behaviour, 0.2 if epsilon_high else 0.28)
         assert any(not np.allclose(want[k], other[k], rtol=1e-4, atol=1e-7) for k in want)
     # Tool tokens carry nothing: their model mask is 0 in every packed row.
-    assert local["loss_mask"].sum() == sum(m.sum() for m in masks)
+    assert local["loss_mask"].sum() == sum(m.sum() for m in batch[2])
 
 
 def test_first_update_ratio_follows_maxtext_keys():

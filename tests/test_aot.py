@@ -94,3 +94,32 @@ def test_tiny_model_programs_compile_for_tpu7x(tmp_path):
     assert loop["fits"] and programs["train step"]["fits"]
     cost = result["decode_cost"]
     assert cost["flops"] > 0 and cost["xla_bytes_accessed"] > 0 and cost["roofline_ms"] > 0
+
+
+# MaxText's Qwen3-30B-A3B script at a tiny width and two layers, head size 128 for the kernel;
+# one device a replica (XLA does not partition the Pallas call over a replica's devices).
+TINY_MAXTEXT = ["override_model_config=true", "base_emb_dim=256", "base_num_query_heads=8",
+                "base_num_kv_heads=4", "head_dim=128", "base_num_decoder_layers=2",
+                "base_moe_mlp_dim=128", "num_experts=4", "num_experts_per_tok=2",
+                "vocab_size=1024", "max_target_length=1024", "max_prefill_predict_length=256",
+                "rollout_data_parallelism=8", "rollout_tensor_parallelism=1"]
+
+
+@needs_libtpu
+@pytest.mark.skipif(importlib.util.find_spec("maxtext") is None, reason="needs maxtext")
+@pytest.mark.slow  # a MaxText script's engine through Mosaic; the tiny model's stays in the default
+def test_maxtext_scripts_engine_compiles_for_tpu7x(tmp_path):
+    """`python -m tunix_mcjax.aot run_qwen3_30b_rl ...`: the script's keys, shrunk; the maxtext
+    engine's loop on CombinedPages (JAX's Pallas kernel, through Mosaic) for a TPU7x host."""
+    out = run(["-m", "tunix_mcjax.aot", "run_qwen3_30b_rl", *TINY_MAXTEXT, "--topology",
+               "tpu7x:2x2x1", "--json", str(tmp_path / "aot.json")])
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    result = json.loads((tmp_path / "aot.json").read_text())
+    assert (result["script"], result["model"]) == ("run_qwen3_30b_rl", "qwen3-30b-a3b-base")
+    facts = result["engine"]
+    assert facts["page_layouts"] == ["CombinedPages"] and facts["tensor_parallelism"] == 1
+    assert facts["max_new"] == 1024 - 256 and facts["layers"] == 2
+    [row] = result["compiled"]
+    assert row["compiled"] and row["fits"] and row["aliased"] > 0, row
+    assert abs(row["arguments"] / row["argument_shapes_bytes"] - 1) < 0.25, row
+    assert 0 < row["peak"] < TPU7X_DEVICE_BYTES and row["compile_cpu_s"] > 0

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -164,6 +166,21 @@ def test_reward_raising_on_one_host_ends_every_host_fast(tmp_path):
     assert "step    0 |" not in out  # host 0 did not train on alone
 
 
+def test_a_failed_hosts_peers_end_themselves_before_the_launcher_stops_them():
+    """A peer that ends itself within PEER_EXIT_S keeps its own exit status (and says why
+    itself); one still running then is stopped."""
+    from tunix_mcjax import launch
+
+    sleep = "import time; time.sleep({}); raise SystemExit({})"
+    fails, ends, stuck = (subprocess.Popen([sys.executable, "-c", sleep.format(s, code)])
+                          for s, code in ((0, 1), (1, 9), (600, 0)))
+    t0 = time.monotonic()
+    assert launch.supervise([fails, ends, stuck]) == 1
+    assert (ends.returncode, stuck.returncode) == (9, -signal.SIGTERM)
+    assert launch.PEER_EXIT_S <= time.monotonic() - t0 < launch.PEER_EXIT_S + launch.GRACE_S
+
+
+@pytest.mark.slow  # a launch; a raising reward's end stays in the default suite
 def test_reward_failure_ends_within_60s_of_the_failure(tmp_path):
     """Measured from the failing host's message, not from the launch (which compiles)."""
     cmd = [sys.executable, "-m", "tunix_mcjax.launch", "--hosts", "2", "--devices-per-host",
@@ -194,6 +211,7 @@ def test_reward_failure_ends_within_60s_of_the_failure(tmp_path):
 OVERFLOWS = "reward_functions=tests.workers.bad_rewards:overflows_after_first_step"
 
 
+@pytest.mark.slow  # a launch; the trainer's finite gate is tested in-process
 def test_non_finite_step_stops_keeping_last_good_checkpoint(tmp_path):
     """From step 1 on, rewards overflow float32 in the advantage; the loss is NaN."""
     proc, elapsed = _run(tmp_path, "blowup", "steps=6", OVERFLOWS,
@@ -209,6 +227,7 @@ def test_non_finite_step_stops_keeping_last_good_checkpoint(tmp_path):
     assert saved == ["0"]
 
 
+@pytest.mark.slow  # a launch; the non-finite stop stays in the default suite
 def test_max_nonfinite_steps_skips_and_counts(tmp_path):
     proc, elapsed = _run(tmp_path, "skip", "steps=3", OVERFLOWS, "max_nonfinite_steps=5")
     out = proc.stdout + proc.stderr
@@ -224,6 +243,7 @@ def test_max_nonfinite_steps_skips_and_counts(tmp_path):
 
 # --- checkpoints ----------------------------------------------------------------------------
 
+@pytest.mark.slow  # three launches
 def test_corrupt_checkpoint_falls_back_and_changed_config_is_refused(tmp_path):
     ckpt = ["enable_checkpointing=true", "checkpoint_period=2"]
     first, _ = _run(tmp_path, "ck", "steps=4", *ckpt)
@@ -284,6 +304,21 @@ def test_stuck_phase_ends_by_its_own_budget():
            "aborting. Raise collective_timeout_s if this phase is just slow." in proc.stderr
 
 
+def test_a_closed_watchdog_has_ended_its_thread():
+    """A run's watchdog is closed at exit (atexit), before JAX shuts its client down: no thread
+    is left polling that client while the interpreter finalizes."""
+    from tunix_mcjax.topology import Watchdog
+
+    def watching() -> int:
+        return sum(t.name == "watchdog" and t.is_alive() for t in threading.enumerate())
+
+    before = watching()
+    w = Watchdog(0, timeout_s=60.0)
+    assert watching() == before + 1
+    w.close()
+    assert watching() == before
+
+
 def test_a_watchdog_needs_a_positive_timeout():
     from tunix_mcjax.topology import Watchdog
 
@@ -305,6 +340,7 @@ for dp, tp in ((-1, 1), (1, 1), (3, 1), (1, 2), (-1, 2)):
 """
 
 
+@pytest.mark.slow  # a 2-host launch
 def test_rollout_data_parallelism_reaches_the_engine():
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
            "JAX_PLATFORMS": "cpu"}

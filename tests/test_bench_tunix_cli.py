@@ -34,7 +34,7 @@ def cli_run(tmp_path_factory):
     return load_config(recipe, keys), out / "runs" / "cli"
 
 
-@pytest.mark.slow  # one grpo_main run: ~20 s CPU, 50-60 s at load 10
+@pytest.mark.bench  # one grpo_main run: ~20 s CPU, 50-60 s at load 10
 def test_the_arm_runs_grpo_main_with_the_workload_and_lora_as_tunix_keys(cli_run):
     cfg, run_dir = cli_run
     argv = json.loads((run_dir / "tunix_cli_argv.json").read_text())
@@ -54,7 +54,7 @@ def test_the_arm_runs_grpo_main_with_the_workload_and_lora_as_tunix_keys(cli_run
     assert tunix_cfg["reward_functions"] == ["tunix_mcjax.bench.tunix_cli_rewards.next_digit"]
 
 
-@pytest.mark.slow  # one grpo_main run: ~20 s CPU, 50-60 s at load 10
+@pytest.mark.bench  # one grpo_main run: ~20 s CPU, 50-60 s at load 10
 def test_steps_jsonl_has_one_timed_record_per_step_in_the_report_schema(cli_run):
     cfg, run_dir = cli_run
     records = read_jsonl(run_dir / "steps.jsonl")

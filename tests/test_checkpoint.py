@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from tests.mp import TINY, launch, read_jsonl
 from tunix_mcjax.train.checkpoint import Checkpointer
@@ -23,6 +24,7 @@ def _run(tmp_path, name, steps):
     return proc.stdout
 
 
+@pytest.mark.slow  # three 2-host launches
 def test_resume_matches_uninterrupted_run(tmp_path):
     _run(tmp_path, "straight", 4)
     _run(tmp_path, "resumed", 2)

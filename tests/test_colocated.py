@@ -129,6 +129,7 @@ def test_allgather_keeps_8_byte_values_exact(mcjax_updates):
     assert mcjax_updates["allgather_float64"].ravel().tolist() == [16777217.0, 16777218.0]
 
 
+@pytest.mark.slow  # a 3-host launch
 def test_uneven_hosts_publish_and_assignment(tmp_path):
     """Hosts stop at different lengths (no deadlock); engines equal trainer params; groups whole;
     O3 with expected output rebalances the repeated batch by the lengths it observed."""
@@ -168,6 +169,7 @@ def test_uneven_hosts_publish_and_assignment(tmp_path):
     assert (run / "summary.json").is_file()
 
 
+@pytest.mark.slow  # two launches; a raising reward ending every host stays in the default
 @pytest.mark.parametrize("victim", ["host", "launcher"])
 def test_a_killed_process_ends_the_whole_launch(tmp_path, victim):
     """SIGKILL of one host stops the others; SIGTERM of the launcher (a scheduler, a benchmark

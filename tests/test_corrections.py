@@ -11,22 +11,17 @@ import types
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 from flax import nnx
 from tunix.rl import algo_core, common, function_registry
 from tunix.rl.agentic import agentic_grpo_learner
 
 from tests.mp import REPO
-from tests.test_agentic_loss import LR, SHAPE, G, TunixAgentic, trajectories
-from tests.test_phases import _cfg, _flat, _setup
-from tunix_mcjax import models, topology
+from tests.test_agentic_loss import LR, SHAPE, G, agentic_batch, agentic_setup
+from tests.test_phases import _cfg, _flat, _setup, assert_applied
 from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.config.rules import check_rules
-from tunix_mcjax.rewards import group_advantages
-from tunix_mcjax.runtime import phases
-from tunix_mcjax.train import loss, packing
-from tunix_mcjax.train.trainer import Trainer, qwen3_policy
+from tunix_mcjax.train import loss
 
 CASES = {
     "tis-token": dict(sampler_is="token"),
@@ -81,14 +76,14 @@ def numpy_weights(logps, old, mask, seg, corr: loss.Corrections) -> np.ndarray:
         for s in np.unique(seg[row]):
             at = seg[row] == s
             seq_r[row, at] = np.clip(r[row, at].sum(), -20, 20)
-    w = np.ones_like(r)
+    ratio = {"none": np.ones_like(r), "token": np.exp(r), "sequence": np.exp(seq_r)}
+    tis = ratio[corr.sampler_is]
     if corr.sampler_is != "none":
-        level = r if corr.sampler_is == "token" else seq_r
-        w = np.minimum(np.exp(level), corr.sampler_is_threshold)
-    if corr.rollout_rs != "none":
-        ratio = np.exp(r if corr.rollout_rs == "token" else seq_r)
-        w = w * ((ratio >= corr.rollout_rs_lower) & (ratio <= corr.rollout_rs_upper))
-    return w
+        tis = np.minimum(tis, corr.sampler_is_threshold)
+    mis = ratio[corr.rollout_rs]
+    kept = (corr.rollout_rs == "none") | ((corr.rollout_rs_lower <= mis)
+                                          & (mis <= corr.rollout_rs_upper))
+    return tis * kept
 
 
 @pytest.mark.parametrize("case", list(CASES))
@@ -210,11 +205,7 @@ def test_update_equals_tunix_with_the_weights(case, micro, off_policy):
     got = trainer.step(local, off_policy=off_policy)
     want_loss, want_grads = tunix_grads(ref, cfg, weights)
     assert got["loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
-    final = _flat(trainer.params)
-    for key, want in want_grads.items():
-        applied = (initial[key].astype(np.float64) - final[key]) / lr
-        np.testing.assert_allclose(applied, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
-                                   err_msg=key)
+    assert_applied(initial, trainer.params, want_grads, lr)
     mask = ref.completion_ids != 0
     if corr.sampler_is != "none":
         only_is = corrections(sampler_is=corr.sampler_is,
@@ -281,21 +272,10 @@ def test_agentic_update_with_a_correction_equals_tunix(case):
     """Multi-turn trajectories (tool tokens masked) under use_rollout_logps (off-policy against
     the engine's logprobs) and epsilon_high: the corrected update equals Tunix's agentic loss
     given the NumPy weights, which leave tool tokens out of every sequence's ratio."""
-    prompts, convs, masks, rewards = trajectories()
-    adv = group_advantages(rewards, G)
     cfg = load_config(REPO / "recipes/cpu/demo.yml", SHAPE).replace(
         use_agentic_rollout=True, epsilon_high=0.28,
         agentic_environment="tunix_mcjax.agentic.demo:lookup_conversation", **CASES[case])
-    mesh = topology.trainer_mesh(topology.current())
-    policy, params = qwen3_policy(models.create_model(models.model_config(cfg, 40), 123, mesh))
-    initial = _flat(params)
-    ref = TunixAgentic(cfg, prompts, convs, masks, adv, initial)
-    noise = np.random.default_rng(5).standard_normal(ref.completion_ids.shape)
-    behaviour = ((ref.logps() + 0.5 * noise) * ref.mask).astype(np.float32)
-    seqs = [packing.Sequence(prompts[j // G], c, float(adv[j]), behaviour[j, :len(c)], m)
-            for j, (c, m) in enumerate(zip(convs, masks, strict=True))]
-    local, _ = phases.pack(cfg, seqs, 0, 1, None)
-    trainer = Trainer(cfg, policy, params, mesh, tx=optax.sgd(LR))
+    trainer, local, ref, initial, behaviour = agentic_setup(cfg, agentic_batch(), noise=0.5)
     assert trainer.off_policy  # use_rollout_logps: the engine's logprobs from the first update
     got = trainer.step(local)
     seg = (ref.completion_ids != 0).astype(np.int32)
@@ -304,8 +284,4 @@ def test_agentic_update_with_a_correction_equals_tunix(case):
     assert ((weights != 1) & (ref.mask > 0)).any()
     want_loss, want = agentic_tunix_grads(ref, cfg, weights, 0.28)
     assert got["loss"] == pytest.approx(want_loss, rel=1e-5, abs=1e-7)
-    final = _flat(trainer.params)
-    for key, grad in want.items():
-        applied = (initial[key].astype(np.float64) - final[key]) / LR
-        np.testing.assert_allclose(applied, grad, rtol=1e-5, atol=1e-5 * np.abs(grad).max(),
-                                   err_msg=key)
+    assert_applied(initial, trainer.params, want, LR)

@@ -30,6 +30,11 @@ from tunix_mcjax.runtime.ray_cluster import HOST_RESOURCE, ActorFailed
 NODE_ARGS = {"num_cpus": 1, "resources": {HOST_RESOURCE: 1}, "object_store_memory": 96 << 20}
 
 
+# A multi-raylet Ray cluster and runs over it, minutes in all: the slow tier. The default suite
+# runs DA on the local cluster (tests/test_disaggregated.py, tests/test_da_staleness.py).
+pytestmark = pytest.mark.slow
+
+
 @pytest.fixture(scope="module")
 def ray_nodes():
     """(cluster, {node id: node}): a head and two worker raylets, one host unit each; the
@@ -114,7 +119,6 @@ def test_demo_across_four_nodes_one_actor_each_staleness_one_reward_rises(tmp_pa
     check_demo(*run_demo(cluster.address, tmp_path, 0.5), set(nodes), trainers=2)
 
 
-@pytest.mark.slow  # about 65 s; the 4-node demo above stays in the default suite
 def test_a_killed_rollout_raylet_ends_the_run_named_within_60s(tmp_path, four_nodes):
     cluster, nodes = four_nodes
     ray.init(address=cluster.address, configure_logging=False)

@@ -12,7 +12,7 @@ from tests.mp import launch
 DEMO_BUDGET_S = 600  # one `make demo` run, compilation included, on a loaded 2-core machine
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # five 150-step demo runs, up to 10 min each: a learning check
 @pytest.mark.parametrize("seed", [0, 1, 2, 3, 4])
 def test_demo_learns_next_digit(tmp_path, seed):
     t0 = time.monotonic()

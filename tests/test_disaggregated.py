@@ -37,6 +37,17 @@ def config(tmp_path, *overrides, recipe=None):
     return load_config(recipe, [*SMALL, f"base_output_directory={tmp_path}", *overrides])
 
 
+def ends_with_death(steps, actor: str) -> ActorFailed:
+    """Drives `steps` to the failure a killed actor causes: ActorFailed naming the actor's
+    process, raised within DEAD_ACTOR_BUDGET_S."""
+    t0 = time.monotonic()
+    with pytest.raises(ActorFailed, match=f"{actor}: its process died") as failed:
+        for _ in steps:
+            pass
+    assert time.monotonic() - t0 < DEAD_ACTOR_BUDGET_S
+    return failed.value
+
+
 def kill_process(actor) -> None:
     os.kill(ray.get(actor.pid.remote(), timeout=60), signal.SIGKILL)
 
@@ -64,16 +75,12 @@ def test_two_trainers_one_group_staleness_one_and_one_put_per_publish(tmp_path):
         objects = [r["weights_objects"][0] for r in records]
         assert objects[0] == objects[1] and len(set(objects[1:])) == 3  # v0, v0, v1, v2
         kill_process(cluster.trainers[1])
-        t0 = time.monotonic()
-        with pytest.raises(ActorFailed, match="trainer-1: its process died"):
-            for _ in steps:
-                pass
-        assert time.monotonic() - t0 < DEAD_ACTOR_BUDGET_S
+        ends_with_death(steps, "trainer-1")
     finally:
         cluster.close()
 
 
-@pytest.mark.slow  # the default suite runs this split on four raylets (test_da_multinode)
+@pytest.mark.bench  # a learning run; test_da_multinode (slow) runs it on four raylets
 def test_demo_on_half_the_hosts_learns_in_ten_steps(tmp_path):
     cfg = load_config(REPO / "recipes/cpu/demo.yml", [
         "rl_runtime=mcjax_da", "rl_trainer_hosts_fraction=0.5", "steps=10",
@@ -89,6 +96,7 @@ def test_demo_on_half_the_hosts_learns_in_ten_steps(tmp_path):
     assert np.polyfit(np.arange(10), reward, 1)[0] > 0
 
 
+@pytest.mark.slow  # a DA run; the colocated skip is in the default suite
 def test_skipped_nonfinite_update_publishes_nothing_new(tmp_path):
     """From step 1 on the rewards overflow and the loss is NaN: the skipped updates keep v1,
     put no new object, and the next batch is generated with v1's object again."""
@@ -167,19 +175,27 @@ def test_sigterm_after_step_5_then_a_rerun_equals_an_uninterrupted_run(tmp_path)
     code, text = da_launch(tmp_path / "whole", *keys)
     assert code == 0, text[-3000:]
 
+    whole = resumed_equals_whole(tmp_path, steps=10)
+    assert [r["staleness"] for r in whole[1:]] == [[1]] * 9
+
+
+def resumed_equals_whole(tmp_path, steps: int) -> list[dict]:
+    """The resumed run (under stopped/) and the uninterrupted one (under whole/) recorded the
+    same `steps` steps and ended with the same params, to 1e-6; returns the whole run's records."""
     resumed = read_jsonl(tmp_path / "stopped" / "demo" / "steps.jsonl")
     whole = read_jsonl(tmp_path / "whole" / "demo" / "steps.jsonl")
-    assert [r["step"] for r in resumed] == [r["step"] for r in whole] == list(range(10))
+    assert [r["step"] for r in resumed] == [r["step"] for r in whole] == list(range(steps))
     for a, b in zip(resumed, whole, strict=True):
         for key in LEARNED:
             assert np.allclose(a[key], b[key], rtol=0, atol=1e-6), (a["step"], key, a[key], b[key])
-    assert [r["staleness"] for r in whole[1:]] == [[1]] * 9
     params = final_params(tmp_path / "stopped" / "demo")
     want = final_params(tmp_path / "whole" / "demo")
     assert params.keys() == want.keys() and all(
         np.allclose(params[k], want[k], rtol=0, atol=1e-6) for k in want)
+    return whole
 
 
+@pytest.mark.slow  # a DA run and a colocated run
 def test_evaluation_on_the_rollout_actors_equals_the_colocated_evaluation(tmp_path):
     """Same config and weights (step 0's): the colocated mode on 2 hosts x 2 devices and DA's 2
     rollout actors (of 4 hosts x 2 devices) score the same held-out prompts with the same
@@ -222,6 +238,7 @@ def lora_publish_bytes(cfg) -> tuple[int, int]:
     return tree_bytes(nnx.state(model, nnx.Param)), tree_bytes(nnx.state(model, nnx.LoRAParam))
 
 
+@pytest.mark.slow  # a DA run, killed twice
 def test_dead_rollout_restarted_once_then_ends_the_run_within_60s(tmp_path):
     """rl_rollout_restarts=1: a killed rollout actor is replaced and its batch regenerated with
     the same version; killed again, restarts are spent and the run ends, naming it. With LoRA
@@ -243,12 +260,7 @@ def test_dead_rollout_restarted_once_then_ends_the_run_within_60s(tmp_path):
         assert [r["publish_bytes"] for r in records] == [adapters] * 4
         assert all(np.isfinite(r["reward_mean"]) for r in records)
         kill_process(cluster.rollouts[0])
-        t0 = time.monotonic()
-        with pytest.raises(ActorFailed, match="rollout-0: its process died") as failed:
-            for _ in steps:
-                pass
-        assert time.monotonic() - t0 < DEAD_ACTOR_BUDGET_S
-        assert failed.value.died
+        assert ends_with_death(steps, "rollout-0").died
     finally:
         cluster.close()
 

@@ -245,6 +245,27 @@ def test_two_replicas_streaming_equal_one_replica_run_twice(engine, model_config
 
 
 @two_devices
+def test_bf16_replicas_load_the_trainers_replicated_params_under_its_mesh(model, eos_id):
+    """A publish hands the trainer's replicated params in under the trainer's mesh (as
+    `publish.py` does); each replica casts its own copy to `rollout_weight_dtype`."""
+    bf16_config = models.model_config(config.load_config(None, ["rollout_weight_dtype=bfloat16"]),
+                                      vocab_size=VOCAB, for_sampling=True)
+    devices = jax.devices()[:2]
+    two = make_engine(bf16_config, model, devices, eos_id)
+    mesh = Mesh(np.array(devices), ("x",))
+    replicated = jax.tree.map(
+        lambda x: jax.device_put(x, NamedSharding(mesh, P())), params_of(model)
+    )
+    with jax.set_mesh(mesh):
+        two.load_weights(replicated)
+    for replica in (0, 1):
+        loaded, source = jax.tree.leaves(two.weights(replica)), jax.tree.leaves(params_of(model))
+        assert all(x.dtype == jnp.bfloat16 for x in loaded)
+        assert all(np.array_equal(np.asarray(x), np.asarray(y).astype(jnp.bfloat16))
+                   for x, y in zip(loaded, source, strict=True))
+
+
+@two_devices
 def test_lockstep_and_tensor_parallel_waves_match_one_replica(engine, model_config, model, eos_id):
     devices = jax.devices()[:2]
     whole = engine.generate_share(PROMPTS, SAMPLE, jax.random.fold_in(jax.random.PRNGKey(2), 0))

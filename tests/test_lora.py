@@ -179,6 +179,7 @@ def _case_names():
 
 
 @pytest.mark.parametrize("case", _case_names())
+@pytest.mark.slow  # reads the 2-host LoRA launches (lora_steps)
 def test_lora_update_equals_tunix(lora_steps, case):
     """The adapters' update (packed rows over 4 devices of 2 hosts; flat, sharded and
     micro-batched steps) equals Tunix's LoRA update on the padded batch, leaf by leaf, to 1e-5;
@@ -202,6 +203,7 @@ def test_lora_update_equals_tunix(lora_steps, case):
                                    err_msg=key)
 
 
+@pytest.mark.slow  # reads the 2-host LoRA launches (lora_steps)
 def test_flat_lora_step_has_three_collectives_of_adapters(lora_steps):
     """Under the flat data-parallel step, as without LoRA: one reduce-scatter, one all-reduce,
     one all-gather per step, and what they move is adapters (the base was gathered once)."""
@@ -216,12 +218,14 @@ def test_flat_lora_step_has_three_collectives_of_adapters(lora_steps):
         assert found["all-gather"]["bytes"] <= lora_steps[f"{case}/adapter_bytes"]
 
 
+@pytest.mark.slow  # reads the 2-host LoRA launches (lora_steps)
 def test_optimizer_state_is_the_adapters_only(lora_steps):
     """The LoRA run's AdamW moments have exactly the adapters' leaves; nothing of the base."""
     assert lora_steps["opt_moment_keys_equal_adapters"]
     assert lora_steps["opt_state_elements"] < 2 * lora_steps["run_adapter_elements"] + 8
 
 
+@pytest.mark.slow  # reads the 2-host LoRA launches (lora_steps)
 def test_publish_moves_adapters_after_the_first(lora_steps):
     """The runtime's first publish loads base + adapters; later ones only the adapters, and every
     engine replica then holds exactly the trainer's base + adapters."""
@@ -231,6 +235,7 @@ def test_publish_moves_adapters_after_the_first(lora_steps):
     assert lora_steps["engine_equals_trainer"]
 
 
+@pytest.mark.slow  # reads the 2-host LoRA launches (lora_steps)
 def test_nonfinite_step_leaves_adapters_and_state_unchanged(lora_steps):
     assert lora_steps["nonfinite_finite"] == 0.0
     assert lora_steps["nonfinite_unchanged"]
@@ -244,6 +249,7 @@ def _checkpoint_params(run_dir, step: int) -> list[str]:
             for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
+@pytest.mark.slow  # reads the 2-host LoRA launches (lora_steps)
 def test_lora_run_checkpoints_the_adapters(lora_steps):
     """The LoRA run applied every step; its checkpoint holds only the adapters and their
     optimizer state (the base is rebuilt from load_parameters_path or init_weights_seed), and
@@ -270,7 +276,7 @@ def _run(tmp_path, name: str, steps: int) -> str:
     return proc.stdout
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # three launches; the full-weight resume is in the slow tier
 def test_lora_resume_matches_uninterrupted_run(tmp_path):
     """Resumed from a checkpoint of adapters (the base rebuilt from init_weights_seed), a LoRA
     run continues exactly as the uninterrupted one."""

@@ -47,6 +47,7 @@ def maxtext_argv(*overrides: str) -> list[str]:
 
 # --- the MaxText command line, end to end ---------------------------------------------------
 
+@pytest.mark.slow  # a 2-host MaxText run; the upstream Qwen3-30B-A3B run is in the slow tier too
 def test_train_rl_runs_on_mcjax_two_hosts(tmp_path):
     assert "rl_runtime=mcjax" in recipe_args()
     res = subprocess.run(["bash", str(CPU_ARGS.with_name("run.sh")),
@@ -150,7 +151,8 @@ def test_weight_mapping_matches_maxtext_logits(scan_layers, tied):
 
 # --- config mapping ---------------------------------------------------------------------------
 
-def test_honoured_keys_land_in_config(tmp_path):
+def test_honoured_keys_land_in_config(tmp_path, monkeypatch):
+    monkeypatch.delenv("M_JAX_CACHE_DIR", raising=False)  # set on the command line here
     _, cfg, not_applied = checked_config(maxtext_argv(
         "batch_size=4", "rl.num_generations=3", "max_prefill_predict_length=64",
         "max_target_length=96", "decode_sampling_temperature=0.7", "decode_sampling_top_k=20",
@@ -164,7 +166,8 @@ def test_honoured_keys_land_in_config(tmp_path):
         "max_num_checkpoints_to_keep=3",
         "run_name=r1", f"base_output_directory={tmp_path}", "hf_train_files=x.parquet",
         "rollout_data_parallelism=4", "data_shuffle_seed=5", "tokenizer_path=qwen3-tokenizer",
-        "num_test_batches=0", "rl_runtime=mcjax", "train_micro_batch_size=2"), {}, num_hosts=2)
+        "num_test_batches=0", "rl_runtime=mcjax", "train_micro_batch_size=2",
+        "jax_cache_dir=~/cache-r1"), {}, num_hosts=2)
     assert not_applied == {}
     expected = {
         "batch_size": 4, "num_generations": 3, "max_prefill_predict_length": 64,
@@ -181,6 +184,7 @@ def test_honoured_keys_land_in_config(tmp_path):
         "hf_train_files": "x.parquet", "rollout_data_parallelism": 2, "seed": 5,
         "rl_runtime": "mcjax", "base_num_decoder_layers": 2, "base_emb_dim": 64,
         "train_micro_batch_size": 2, "train_logits_chunk_tokens": 0,
+        "jax_cache_dir": "~/cache-r1",
     }
     assert {k: getattr(cfg, k) for k in expected} == pytest.approx(expected)
     assert cfg.run_dir == tmp_path / "r1"
@@ -194,6 +198,14 @@ def test_num_iterations_is_updates_per_batch():
     _, three, _ = checked_config(maxtext_argv("num_batches=6", "rl.num_iterations=3"), {}, 1)
     assert (one.num_iterations, three.num_iterations) == (1, 3)
     assert three.steps == one.steps > 0
+
+
+def test_maxtexts_jax_cache_dir_is_the_runs_at_its_default(monkeypatch):
+    """MaxText's own default (~/jax_cache) reaches every process of the run, as MaxText's
+    pyconfig.initialize sets it for MaxText's own trainer."""
+    monkeypatch.delenv("M_JAX_CACHE_DIR", raising=False)
+    _, cfg, _ = checked_config(maxtext_argv(), {}, 1)
+    assert cfg.jax_cache_dir == "~/jax_cache"
 
 
 def test_pathways_and_vllm_settings_are_reported_not_applied():

@@ -143,7 +143,7 @@ def test_missing_data_template_is_refused_by_name():
         agentic.chat_parser(config, tokenizer=None)
 
 
-@pytest.mark.slow  # one 2-host train_rl run: about 3 min on 2 shared CPU cores
+@pytest.mark.bench  # one 2-host train_rl run: about 3 min on 2 shared CPU cores
 def test_agentic_recipe_runs_through_train_rl_on_two_hosts(tmp_path):
     res = subprocess.run(
         ["bash", str(REPO / "recipes/maxtext/cpu/run.sh"), f"base_output_directory={tmp_path}"],

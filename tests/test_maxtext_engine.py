@@ -7,6 +7,7 @@ step, and its logprobs are that forward's log-softmax of the sampled token."""
 from __future__ import annotations
 
 import collections
+import functools
 import json
 import os
 import re
@@ -25,7 +26,8 @@ from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # noqa: E402
 
 from tests.mp import REPO, launch_worker, read_jsonl  # noqa: E402
 from tunix_mcjax.config import ConfigError, load_config  # noqa: E402
-from tunix_mcjax.engine import SamplingParams  # noqa: E402
+from tunix_mcjax.engine import SamplingParams, maxtext_engine, maxtext_model  # noqa: E402
+from tunix_mcjax.engine import paged_attention as pa  # noqa: E402
 from tunix_mcjax.engine.maxtext_engine import MaxTextEngine  # noqa: E402
 from tunix_mcjax.engine.maxtext_model import MOE_UP_KERNELS  # noqa: E402
 from tunix_mcjax.maxtext import config_map, load_maxtext_config, policy  # noqa: E402
@@ -66,7 +68,7 @@ MAX_NEW = 8
 
 
 def family_params(name: str) -> list:
-    marks = [] if name in FAST else [pytest.mark.slow]
+    marks = [] if name in FAST else [pytest.mark.bench]  # minutes each on CPU
     return [pytest.param(name, marks=marks, id=name)]
 
 
@@ -326,9 +328,91 @@ def test_replicas_and_tensor_parallelism_give_the_same_greedy_decode(world, dp, 
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-4, rtol=0)
 
 
+# --- the TPU page layout, on CPU ------------------------------------------------------------
+
+class XlaCombinedPages(pa.CombinedPages):
+    """CombinedPages' pool (its writes, page copies and page ids) attended by XLA by the
+    definition that JAX's TPU kernel computes (`test_paged` checks the kernel's reference
+    against it): the TPU layout on CPU. As the kernel, it has no sinks."""
+
+    def attend(self, q, pool, tables, kv_lens, q_lens, *, prefix=None, sinks=None, layer=None,
+               **options):
+        if sinks is not None:
+            raise NotImplementedError("no attention sinks in the TPU kernel")
+        keys, values = self.sequences(pool, tables, tables.shape[1], layer)
+        return pa.attend_rows(q, keys, values, kv_lens, q_lens, **options)
+
+
+def engine_with_layouts(world, monkeypatch, layouts=None):
+    """The world's engine on CPU with the TPU layout (`XlaCombinedPages`), as `layout_for`
+    gives it on a TPU; `layouts`: {slot: layout} instead."""
+    monkeypatch.setattr(maxtext_engine, "layout_for", lambda *_: XlaCombinedPages())
+    monkeypatch.setattr(maxtext_engine, "MaxTextPagedModel",
+                        functools.partial(maxtext_model.MaxTextPagedModel, layouts=layouts))
+    engine = MaxTextEngine(world.config, jax.local_devices()[:1], pad_id=0, eos_ids=(),
+                           max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2,
+                           page_size=PAGE)
+    engine.load_weights(policy.maxtext_tree(world.params))
+    return engine
+
+
+def assert_same_samples(world, engine, seed: int = 5):
+    """Sampled completions (temperature 0.8) equal the world's all-SplitPages engine's, the
+    same seed: tokens exactly, logprobs to float rounding (attention sums in another order)."""
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=0.8)
+    split = MaxTextEngine(world.config, jax.local_devices()[:1], pad_id=0, eos_ids=(),
+                          max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2,
+                          page_size=PAGE)
+    split.load_weights(policy.maxtext_tree(world.params))
+    want = split.generate(world.prompts, sampling, seed=seed)
+    got = engine.generate(world.prompts, sampling, seed=seed)
+    for a, b in zip(got, want, strict=True):
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+    for prompt, out in zip(world.prompts, got, strict=True):
+        world.check_against_forward(prompt, out, temperature=0.8)
+
+
+@pytest.mark.parametrize("world", family_params("qwen3"), indirect=True)
+def test_a_pool_of_mixed_page_layouts_samples_as_split_pages(world, monkeypatch):
+    """Layer 0's pages in the TPU layout, layer 1's in SplitPages: the samples are those of
+    an all-SplitPages pool."""
+    engine = engine_with_layouts(world, monkeypatch, {0: XlaCombinedPages(), 1: pa.SplitPages()})
+    [model] = engine._models.values()
+    assert [type(model.layouts[s]) for s in (0, 1)] == [XlaCombinedPages, pa.SplitPages]
+    pool = engine._pool(0)
+    assert pool[0].ndim == 4 and isinstance(pool[1], tuple)  # [P, page, 2K, H]; (k, v)
+    assert_same_samples(world, engine)
+
+
+@pytest.mark.parametrize("world", family_params("gpt_oss"), indirect=True)
+def test_gpt_oss_decodes_its_sink_layers_through_split_pages_on_the_tpu_layout(world,
+                                                                               monkeypatch):
+    """The TPU kernel has no attention sinks: with the TPU layout, gpt-oss's layers (each with
+    sinks) keep SplitPages' pages, attended by XLA, and sample as the all-SplitPages engine."""
+    engine = engine_with_layouts(world, monkeypatch)
+    [model] = engine._models.values()
+    assert all(a.sinks for a in model.layers)
+    assert all(type(layout) is pa.SplitPages for layout in model.layouts.values())
+    assert_same_samples(world, engine)
+
+
+@pytest.mark.parametrize("world", family_params("gemma4"), indirect=True)
+def test_gemma4_keeps_the_tpu_layout_where_the_kernel_takes_its_heads(world, monkeypatch):
+    """Layers without sinks stay on the TPU kernel's layout where their heads are the one
+    width it compiles for (KERNEL_HEAD_DIM), SplitPages elsewhere, and sample as SplitPages."""
+    engine = engine_with_layouts(world, monkeypatch)
+    [model] = engine._models.values()
+    assert not any(a.sinks for a in model.layers)
+    for slot, (_, head_dim) in model.slot_shapes.items():
+        fits = head_dim == pa.KERNEL_HEAD_DIM
+        assert type(model.layouts[slot]) is (XlaCombinedPages if fits else pa.SplitPages)
+    assert_same_samples(world, engine)
+
+
 # --- the runtime on 2 hosts with the maxtext engine --------------------------------------------
 
-@pytest.mark.slow
+@pytest.mark.bench  # a 2-host MaxText run
 def test_maxtext_components_run_on_two_hosts_with_the_maxtext_engine(tmp_path):
     """MaxText's tiny Qwen3 MoE, its data and rewards: 2 steps on 2 hosts, weights published
     into each host's maxtext engine after every update (one call, O4)."""

@@ -430,6 +430,7 @@ def _default_path_calls(root: Path) -> list:
     return report["calls"]
 
 
+@pytest.mark.slow  # MaxText's own train_rl on a patched copy
 def test_train_rl_without_rl_runtime_takes_maxtexts_own_path(
         pristine_root: Path, tmp_path: Path) -> None:
     """The same calls in the same order as unpatched MaxText; only the vLLM import moved."""

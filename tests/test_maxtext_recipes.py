@@ -45,6 +45,7 @@ def maxtext_update(micro: int) -> tuple[dict[str, np.ndarray], dict[str, np.ndar
     return initial, flat(trainer.params), metrics
 
 
+@pytest.mark.slow  # two MaxText train steps compiled
 def test_micro_batched_update_equals_one_batch_on_maxtext_model():
     initial, whole, whole_metrics = maxtext_update(4)
     _, split, split_metrics = maxtext_update(1)
@@ -112,6 +113,7 @@ def test_jsonl_sink_reads_back_through_epath(tmp_path):
 
 # --- evaluation -------------------------------------------------------------------------------
 
+@pytest.mark.slow  # a 2-host MaxText launch
 def test_evaluation_equals_maxtext_evaluate_and_sums_over_hosts(tmp_path):
     """Two hosts' shares scored by our evaluator, summed, against MaxText's `evaluate` on the
     same responses (tests/workers/maxtext_eval.py; a subprocess, since MaxText's math-verify

@@ -25,7 +25,8 @@ from tests.mp import REPO  # noqa: E402
 from tests.test_maxtext_engine import CPU, FAMILIES  # noqa: E402
 from tunix_mcjax import patches  # noqa: E402
 
-# The subprocess builds two families' models twice (trainer and engine): minutes on a busy CPU.
+# The subprocess builds two families' models twice (trainer and engine): minutes on a busy CPU,
+# so the tests that read its report are in the slow tier (`make test-slow`, which CI runs).
 pytestmark = pytest.mark.timeout(1800)
 
 MAXTEXT = patches.TARGETS["maxtext"]
@@ -66,6 +67,7 @@ def replay_report(tmp_path_factory: pytest.TempPathFactory) -> dict:
     return json.loads(lines[-1][len("REPORT "):])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_recorded_routing_replays_to_the_same_logits(replay_report: dict, family: str) -> None:
     out = replay_report[family]
@@ -74,11 +76,13 @@ def test_recorded_routing_replays_to_the_same_logits(replay_report: dict, family
     assert out["replayed"] < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_replaying_other_experts_changes_the_logits(replay_report: dict, family: str) -> None:
     assert replay_report[family]["shifted"] > 1.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_the_trainer_replaying_the_engines_routing_scores_its_logprobs(replay_report: dict,
                                                                        family: str) -> None:
@@ -91,6 +95,7 @@ def test_the_trainer_replaying_the_engines_routing_scores_its_logprobs(replay_re
     assert out["replay"] < 1e-4
 
 
+@pytest.mark.slow
 def test_without_replay_the_near_tied_routes_flip(replay_report: dict) -> None:
     """The check above can fail: routing on its own, the trainer moves some Qwen3 MoE tokens to
     other experts. (gpt-oss's routes did not flip at this tie: 6.4e-5 either way.)"""

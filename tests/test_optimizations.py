@@ -69,6 +69,7 @@ def test_o1_sink_error_surfaces():
         exporter.close()
 
 
+@pytest.mark.slow  # a 2-host launch
 def test_o2_gc_frozen_after_warmup(tmp_path):
     overrides = [*TINY, "steps=2", "batch_size=2", "num_generations=2",
                  "rl_gc_freeze_after_warmup=true", f"base_output_directory={tmp_path}",

@@ -113,9 +113,10 @@ def test_gpu_decode_kernel_equals_the_reference_in_pallas_interpret_mode(soft_ca
     chunks = gpu.attend(q, split_layer(*pool), tables, kv_lens, q_lens, window=5)
     np.testing.assert_allclose(chunks, pa.reference_attention(q, k_seq, v_seq, kv_lens, q_lens,
                                                               window=5), atol=1e-5)
-    assert [type(pa.layout_for(p, n)).__name__ for p, n in
-            [("gpu", 1), ("gpu", 2), ("tpu", 4), ("cpu", 1)]] == [
-        "GpuPages", "SplitPages", "CombinedPages", "SplitPages"]
+    assert [type(pa.layout_for(*case)).__name__ for case in
+            [("gpu", 1), ("gpu", 2), ("tpu", 1), ("tpu", 1, 256), ("tpu", 4), ("tpu", 1, 64),
+             ("cpu", 1)]] == ["GpuPages", "SplitPages", "CombinedPages", "SplitPages",
+                              "SplitPages", "SplitPages", "SplitPages"]
 
 
 def test_attention_reads_only_live_slots_of_a_rows_pages():
@@ -439,6 +440,7 @@ def test_a_small_freed_pool_is_left_to_the_heap():
     assert not hostmem.trim(cpu, hostmem.TRIM_FROM_BYTES - 1)
 
 
+@pytest.mark.slow  # two engines' compiles
 def test_a_tail_of_few_live_rows_decodes_packed_with_the_same_samples(tiny):
     """64 requests with ~30% of tokens a stop: most rows end in a few steps, and the steps after
     run the live rows packed into 8 rows. Samples equal an engine that decodes all 64

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from tunix_mcjax import memory, models, plan, topology
+from tunix_mcjax import activations, memory, models, plan, topology
 from tunix_mcjax.bench.plan_tables import profile_config, v7x
 from tunix_mcjax.config import load_config
 from tunix_mcjax.engine.base import SamplingParams
@@ -303,7 +303,7 @@ def test_maxtext_engine_is_planned_paged():
     assert p.engine.pool_pages == jax_plan.engine.pool_pages
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # two engine programs compiled at the caps
 @pytest.mark.parametrize("caps", [(512, 16, 2), (16, 768, 16)])
 def test_engine_program_scratch_matches_xla(caps):
     """A prefill-bound and a decode-bound shape (of the 8, bf16 and fp32, checked when the
@@ -345,3 +345,52 @@ def test_cli_reports_fit_and_refuses_bad_topology(capsys):
     assert "does NOT fit" in capsys.readouterr().out
     assert plan.main([RECIPE, "--hosts", "3"]) == 2
     assert "batch_size=2" in capsys.readouterr().err
+
+
+def test_tpu_activations_are_the_residuals_jax_saves_in_the_compute_dtype():
+    """The TPU model counts, per token and layer, what JAX saves for the trainer's Qwen3 layer
+    in the compute dtype, plus blockwise attention's fp32 max and denominator per head; the
+    fp32 RMSNorm chains (XLA's TPU fusions recompute them) and the weights are left out."""
+    from jax._src.ad_checkpoint import saved_residuals
+
+    from tunix_mcjax.train.qwen3_layer import decoder_layer
+    from tunix_mcjax.train.segment_attention import KEY_BLOCK, segment_attention
+
+    cfg = load_config(RECIPE)
+    mc = plan.model_config_for(cfg)
+    t, m = 2 * KEY_BLOCK, plan.model_shape(mc, fsdp=1)
+    _, params = qwen3_policy(nnx.eval_shape(lambda: models.create_model(mc, 0)))
+    layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                         nnx.to_pure_dict(params)["layers"][0])
+    ints = jax.ShapeDtypeStruct((1, t), np.int32)
+
+    def loss(lp, x, positions, segments):
+        def attend(q, k, v):
+            return segment_attention(q, k, v, segments), None
+        return decoder_layer(mc, lp, x, positions, attend)[0].astype(np.float32).sum()
+
+    saved = saved_residuals(loss, layer, jax.ShapeDtypeStruct((1, t, m.embed), mc.dtype),
+                            ints, ints)
+    tokens = [a for a, why in saved if "argument" not in why and t in a.shape]
+    compute = sum(a.size // t for a in tokens if a.dtype == mc.dtype) * 2
+    heads = (1, m.kv_heads, m.query_heads // m.kv_heads, t)  # the attention's max, denominator
+    stats = sum(a.size // t for a in tokens if a.shape == heads) * 4
+    assert stats == 2 * 4 * m.query_heads
+    assert activations.tpu_saved_per_layer(m, 2, t) == compute + stats
+    assert plan.activation_bytes_per_token(m, 2, t, remat=False, tpu=True) \
+        == m.layers * (compute + stats)
+
+
+def test_tpu_target_counts_the_weights_cast_and_is_refused_beside_cpu(capsys):
+    """fp32 weights with bf16 compute: on TPU the step keeps the bf16 cast of every gathered
+    weight; CPU's fit holds it already. A cluster is not both, and --tpu needs its HBM."""
+    cfg = load_config(RECIPE, ["weight_dtype=float32", "dtype=bfloat16"])
+    mc = plan.model_config_for(cfg)
+    tpu = plan.plan(cfg, plan.Cluster(1, 1, 64 * GIB, tpu=True), mc)
+    other = plan.plan(cfg, plan.Cluster(1, 1, 64 * GIB), mc)
+    assert tpu.items["params cast"] == QWEN3_0P6B_PARAMS * 2
+    assert other.items["params cast"] == 0
+    with pytest.raises(ValueError, match="not both"):
+        plan.Cluster(1, 1, GIB, cpu=True, tpu=True)
+    assert plan.main([RECIPE, "--tpu"]) == 2
+    assert "--tpu needs --hbm-gib" in capsys.readouterr().err

@@ -12,7 +12,7 @@ from tunix_mcjax.bench.memory_check import measure
 RECIPE = "recipes/cpu/qwen3_0p6b.yml"
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # the 0.6B model on CPU
 def test_qwen3_0p6b_recipe_runs_within_the_plan(tmp_path):
     """3 steps on 2 hosts x 1 device: finite losses, the engine decoding exactly the trainer's
     weights (in its bf16) after the last publish, and each host's peak memory within 25% of the

@@ -44,6 +44,7 @@ def unbroken(tmp_path_factory):
     return _algorithmic(tmp / "straight")
 
 
+@pytest.mark.slow  # two launches and the unbroken run's
 def test_host_killed_mid_save_resumes_from_previous_checkpoint(tmp_path, unbroken):
     args = _args(tmp_path, "killed")
     t0 = time.monotonic()
@@ -60,6 +61,7 @@ def test_host_killed_mid_save_resumes_from_previous_checkpoint(tmp_path, unbroke
     assert _algorithmic(run) == unbroken  # steps 2-5 re-run; every step once
 
 
+@pytest.mark.slow  # two launches and the unbroken run's
 def test_sigterm_to_one_host_saves_everywhere_and_exits_143(tmp_path, unbroken):
     args = _args(tmp_path, "preempted")
     cmd = [sys.executable, "-m", "tunix_mcjax.launch", *args]

@@ -16,7 +16,7 @@ STEPS = 300
 WARMUP = 30
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # 300 steps
 def test_demo_300_steps_memory_flat_and_compiles_only_at_new_shapes(tmp_path):
     overrides = [f"steps={STEPS}", "rl_gc_freeze_after_warmup=true", "log_period=50",
                  f"base_output_directory={tmp_path}", "run_name=soak"]

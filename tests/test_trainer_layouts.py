@@ -54,7 +54,7 @@ def test_accumulated_update_equals_the_one_batch_update(updates, variant):
     assert_same_update(updates, variant)
 
 
-@pytest.mark.slow  # ~1 min; the 4-device layouts above cover accumulation in the default suite
+@pytest.mark.bench  # ~1 min; the 4-device layouts above cover accumulation in the default suite
 def test_two_hosts_accumulating_sharded_update_equals_tunix(tmp_path):
     """2 processes x 2 devices: micro-batches over the global fsdp axis, params sharded through
     compute: each fixed-update case's loss and applied gradient against Tunix's grpo_loss_fn

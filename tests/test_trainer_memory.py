@@ -105,6 +105,7 @@ def test_blockwise_attention_memory_is_below_the_dense_scores():
     assert temp_bytes(blockwise, q, k, v) < dense_scores / 2
 
 
+@pytest.mark.slow  # two train steps compiled and measured
 def test_remat_keeps_gradients_and_drops_activation_memory():
     cfg = load_config(DEMO, ["base_num_decoder_layers=4"])
     model = models.create_model(models.model_config(cfg, 40), 0)

@@ -82,6 +82,7 @@ def run(tmp_path_factory, checkpoint) -> tuple[subprocess.CompletedProcess, Path
 
 # --- Tunix's command line, end to end --------------------------------------------------------
 
+@pytest.mark.slow  # a 2-host grpo_main run
 def test_grpo_main_runs_run_qwen3_on_mcjax_two_hosts(run):
     res, run_dir, ckpt_dir = run
     out = res.stdout + res.stderr

@@ -352,6 +352,7 @@ def test_grpo_learner_resumed_from_a_checkpoint_equals_an_uninterrupted_run(
 
 # --- 0004: RLCluster with a per-process rollout ---------------------------------------------------
 
+@pytest.mark.slow  # Tunix over two processes on a pristine or patched copy
 def test_rl_cluster_builds_and_syncs_a_per_process_rollout(pristine_root: Path,
                                                            patched_root: Path) -> None:
     """Actor FSDP over both processes, rollout on each process's own devices."""
@@ -376,6 +377,7 @@ def _generation(root: Path, stops: str) -> list[dict]:
     return run_check_mp(root, "global_mesh_generation.py", stops)
 
 
+@pytest.mark.slow  # Tunix over two processes on a pristine or patched copy
 def test_global_mesh_generation_mixes_processes_rows_without_the_patch(
         pristine_root: Path) -> None:
     pristine = _generation(pristine_root, "equal")
@@ -384,6 +386,7 @@ def test_global_mesh_generation_mixes_processes_rows_without_the_patch(
     assert any(r["completions"] != r["reference"] for r in pristine)
 
 
+@pytest.mark.slow  # Tunix over two processes on a pristine or patched copy
 def test_global_mesh_generation_gives_each_process_its_own_rows(patched_root: Path) -> None:
     """Each process's completions must equal a local decode of its own prompts."""
     patched = _generation(patched_root, "equal")
@@ -394,7 +397,7 @@ def test_global_mesh_generation_gives_each_process_its_own_rows(patched_root: Pa
     assert patched[0]["completions"] != patched[1]["completions"]
 
 
-@pytest.mark.slow
+@pytest.mark.bench  # Tunix generation on a patched copy over two processes
 def test_global_mesh_generation_with_uneven_stops_does_not_hang(pristine_root: Path,
                                                                 patched_root: Path) -> None:
     """Process 1's rows stop at their first token, process 0's run to the budget."""

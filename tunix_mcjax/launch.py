@@ -2,10 +2,12 @@
 
 Each process is a real JAX controller: `jax.distributed.initialize` against a coordinator on
 127.0.0.1 (a free port), gloo CPU collectives, and D forced host-platform devices. Output is
-streamed with a `[host i]` prefix. If any process fails, the others are stopped and the launcher
-exits non-zero, naming the host and its exit code. Ctrl-C or SIGTERM to the launcher stops every
-host too (SIGTERM, then SIGKILL after GRACE_S: JAX treats SIGTERM as a preemption notice, so
-hosts that reach a step boundary within GRACE_S save a checkpoint and exit 143).
+streamed with a `[host i]` prefix. If any process fails, the others get PEER_EXIT_S to end
+themselves, as they do on a cluster (`topology.abort` tells them, and each says why), then are
+stopped; the launcher exits non-zero, naming the host and its exit code. Ctrl-C or SIGTERM to
+the launcher stops every host too (SIGTERM, then SIGKILL after GRACE_S: JAX treats SIGTERM as a
+preemption notice, so hosts that reach a step boundary within GRACE_S save a checkpoint and exit
+143).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.hostenv import free_port, host_env
 
 GRACE_S = 10
+PEER_EXIT_S = 5  # a failed host's peers learn of it in-band (topology.abort) within seconds
 
 
 def _stream(host: int, proc: subprocess.Popen) -> None:
@@ -31,7 +34,8 @@ def _stream(host: int, proc: subprocess.Popen) -> None:
 
 
 def supervise(procs: list[subprocess.Popen]) -> int:
-    """Waits for all; on the first failure stops the rest and returns its exit code."""
+    """Waits for all; on the first failure gives the rest PEER_EXIT_S to end themselves, stops
+    those still running, and returns that failure's exit code."""
     while True:
         codes = [p.poll() for p in procs]
         failed = [(h, c) for h, c in enumerate(codes) if c not in (None, 0)]
@@ -39,10 +43,17 @@ def supervise(procs: list[subprocess.Popen]) -> int:
             host, code = failed[0]
             print(f"launch: host {host} exited with code {code}; stopping the other hosts",
                   file=sys.stderr, flush=True)
+            _wait_all(procs, PEER_EXIT_S)
             stop(procs)
             return code if code > 0 else 128 - code
         if all(c == 0 for c in codes):
             return 0
+        time.sleep(0.2)
+
+
+def _wait_all(procs: list[subprocess.Popen], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
         time.sleep(0.2)
 
 

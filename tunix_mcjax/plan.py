@@ -1,7 +1,7 @@
 """Memory planner: what a run holds per device, and whether it fits, before anything runs.
 
     python -m tunix_mcjax.plan RECIPE.yml [key=value ...] [--hbm-gib N]
-                               [--hosts H --devices-per-host D]
+                               [--hosts H --devices-per-host D] [--tpu]
 
 Pure arithmetic on the config and the Tunix ModelConfig (param shapes come from an abstract
 `eval_shape`; no device is touched). It makes the trainer's own choices through the functions
@@ -18,23 +18,24 @@ across steps and counts in every phase; the maxtext engine is paged the same way
 scratch) and publish (the replicated gather of the new weights). The pool is sized as the
 engine sizes it (`engine.pages`), and a plan that the engine would refuse (a pool that cannot
 hold one sequence at the caps) does not fit. On CPU, where a device's memory is the host's
-RAM, the host's own costs outside XLA's buffers are added too (`cpu_host_items`).
+RAM, the host's own costs outside XLA's buffers are added too (`cpu_host_items`); on TPU
+(`--tpu`, the aot path's targets) the train step's activations are what XLA's TPU assignment
+keeps, elsewhere the fit to its CPU assignment (`activations.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 import sys
 
 from tunix_mcjax import memory
+from tunix_mcjax.activations import ModelShape, activation_bytes_per_token, model_shape
 from tunix_mcjax.config import Config, ConfigError, load_config
 from tunix_mcjax.engine import pages
 from tunix_mcjax.engine.buckets import pow2_at_least, prompt_bucket
 from tunix_mcjax.engine.options import DEFAULT_MAX_NUM_BATCHED_TOKENS
-from tunix_mcjax.train.segment_attention import KEY_BLOCK
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -46,73 +47,20 @@ class Cluster:
     devices_per_host: int
     device_bytes: int  # usable memory of one device (on CPU: the host's RAM / local devices)
     cpu: bool = False  # devices are the host's CPU: the process's own RAM counts against them
+    tpu: bool = False  # TPU devices: XLA's TPU assignment of the train step (`TPU_SAVED_PER_UNIT`)
+
+    def __post_init__(self):
+        if self.cpu and self.tpu:
+            raise ValueError("Cluster: devices are either the host's CPU or TPUs, not both")
 
     @property
     def num_devices(self) -> int:
         return self.hosts * self.devices_per_host
 
 
-@dataclasses.dataclass(frozen=True)
-class ModelShape:
-    """What memory depends on, from the Tunix ModelConfig and its param tree."""
-
-    layers: int
-    embed: int  # D
-    q_width: int  # query heads x head dim
-    kv_width: int  # kv heads x head dim
-    kv_heads: int
-    head_dim: int
-    query_heads: int
-    mlp: int  # F
-    vocab: int
-    param_count: int
-    layer_param_count: int  # one decoder layer
-    sharded_param_count: int  # per device, FSDP over all devices (dims that divide)
-    largest_leaf: int
-
-
-def model_shape(mc, fsdp: int) -> ModelShape:
-    """Param counts from an abstract Tunix Qwen3 (no arrays are made)."""
-    from flax import nnx
-    from tunix.models.qwen3 import model as qwen3
-
-    abstract = nnx.eval_shape(lambda: qwen3.Qwen3(mc, rngs=nnx.Rngs(0)))
-    state = nnx.state(abstract, nnx.Param)
-    leaves = [(tuple(path), v.get_value()) for path, v in nnx.to_flat_state(state)]
-    specs = dict((tuple(p), v.get_value()) for p, v in
-                 nnx.to_flat_state(nnx.get_partition_spec(state)))
-    total = sharded = layer0 = largest = 0
-    for path, leaf in leaves:
-        n = math.prod(leaf.shape)
-        total += n
-        largest = max(largest, n)
-        layer0 += n if path[:2] == ("layers", 0) else 0
-        spec = tuple(specs[path]) + (None,) * len(leaf.shape)
-        sharded += math.prod(-(-d // fsdp) if "fsdp" in _axes(a) else d
-                             for d, a in zip(leaf.shape, spec[:len(leaf.shape)], strict=True))
-    return ModelShape(mc.num_layers, mc.embed_dim, mc.num_heads * mc.head_dim,
-                      mc.num_kv_heads * mc.head_dim, mc.num_kv_heads, mc.head_dim, mc.num_heads,
-                      mc.hidden_dim, mc.vocab_size, total, layer0, sharded, largest)
-
-
-def _axes(axis) -> tuple:
-    return axis if isinstance(axis, tuple) else (axis,)
-
-
 # --- the trainer --------------------------------------------------------------------------
 
 
-# Bytes a token leaves saved per decoder layer, per unit of each width, as `fixed + per_byte *
-# c` with c the compute dtype's bytes. `heads_x_keys` counts query heads x key positions: all of
-# them for rows of one attention key block (the dense formula keeps its probabilities), one
-# block's worth for longer rows (blockwise, softmax statistics only). Fitted to XLA's buffer
-# assignment for the trainer's step (compiled memory analysis on CPU: fp32 and bf16, 2 and 4
-# layers, each width doubled in turn, rows of 128, 256 and 1024 tokens; within 5% on those 32
-# shapes).
-SAVED_PER_UNIT = {"embed": (18.1, 1.0), "mlp": (0.7, 4.5), "q_width": (16.7, 2.7),
-                  "kv_width": (0.3, 10.2)}
-DENSE_HEADS_X_KEYS = (8.1, 0.9)
-BLOCKWISE_HEADS_X_KEYS = (2.0, 0.0)
 LOGITS_SCRATCH = 9  # bytes per scored token per vocab entry: fp32 logits and their gradient
 
 # On CPU the devices' memory is the host's RAM, so two host costs outside XLA's buffers count.
@@ -129,25 +77,6 @@ PROCESS_BASELINE = 1 * GIB
 # fp32) and 0.75 GiB at Qwen3-0.6B (0.58 GiB).
 CPU_UPCAST_BYTES = 4
 
-
-def activation_bytes_per_token(m: ModelShape, compute_bytes: int, row_len: int,
-                               remat: bool) -> int:
-    """Bytes one token leaves saved for the backward, over all layers. With remat
-    (`remat_policy=full`: a decoder layer recomputed in its backward) only each layer's input
-    stays, plus one layer's worth while it is recomputed (not fitted; from the shapes)."""
-    widths = {"embed": m.embed, "mlp": m.mlp, "q_width": m.q_width, "kv_width": m.kv_width}
-    coefficients = dict(SAVED_PER_UNIT)
-    if row_len <= KEY_BLOCK:
-        widths["heads_x_keys"], coefficients["heads_x_keys"] = \
-            m.query_heads * row_len, DENSE_HEADS_X_KEYS
-    else:
-        widths["heads_x_keys"], coefficients["heads_x_keys"] = \
-            m.query_heads * KEY_BLOCK, BLOCKWISE_HEADS_X_KEYS
-    per_layer = sum((fixed + per_byte * compute_bytes) * widths[dim]
-                    for dim, (fixed, per_byte) in coefficients.items())
-    if remat:
-        return int(compute_bytes * m.embed * m.layers + per_layer)
-    return int(per_layer * m.layers)
 
 
 def logits_bytes(m: ModelShape, tokens: int, chunk_tokens: int) -> int:
@@ -249,7 +178,18 @@ def engine_weight_bytes(cfg: Config, m: ModelShape) -> int:
 
 def paged_shape(cfg: Config, cluster: Cluster, m: ModelShape) -> PagedShape:
     """The jax engine's pool and program for a replica's share, from its own arithmetic."""
-    tp, group = cfg.rollout_tensor_parallelism, cfg.num_generations
+    page_size = cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE
+    one_page = pages.page_bytes(m.layers, m.kv_heads, m.head_dim, page_size,
+                                DTYPE_BYTES[cfg.dtype], cfg.rollout_tensor_parallelism)
+    return paged_shape_of(cfg, cluster, one_page, engine_weight_bytes(cfg, m))
+
+
+def paged_shape_of(cfg: Config, cluster: Cluster, one_page: int,
+                   weight_bytes: int) -> PagedShape:
+    """A paged engine's pool and program for a replica's share, given the bytes of one page
+    and of the engine's weights on a device (the jax engine's from `paged_shape`; the maxtext
+    engine's from its model)."""
+    group = cfg.num_generations
     page_size = cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE
     batched = cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
     prompt_cap, max_new = cfg.max_prefill_predict_length, cfg.max_completion_length
@@ -261,11 +201,9 @@ def paged_shape(cfg: Config, cluster: Cluster, m: ModelShape) -> PagedShape:
     n, u = pow2_at_least(requests), pow2_at_least(distinct)
     slots = n if lockstep else min(n, pow2_at_least(cfg.rollout_max_batch_size))
     prompt_len = prompt_bucket(prompt_cap, prompt_cap)
-    one_page = pages.page_bytes(m.layers, m.kv_heads, m.head_dim, page_size,
-                                DTYPE_BYTES[cfg.dtype], tp)
     needed = pages.pages_needed(pow2_at_least(cfg.rollout_max_batch_size), prompt_cap,
                                 max_new, page_size)
-    budget = int(cfg.hbm_utilization_vllm * cluster.device_bytes) - engine_weight_bytes(cfg, m)
+    budget = int(cfg.hbm_utilization_vllm * cluster.device_bytes) - weight_bytes
     pool = pages.pool_pages(budget, one_page, needed)
     chunk, rows_per_budget = pages.prefill_chunk(prompt_len, batched)
     return PagedShape(
@@ -347,6 +285,18 @@ def cpu_host_items(cfg: Config, cluster: Cluster, m: ModelShape) -> dict[str, in
             "bf16 matmul fp32 copy": upcast}
 
 
+def params_cast_bytes(cfg: Config, cluster: Cluster, m: ModelShape, layout: TrainLayout) -> int:
+    """On TPU, with weights in another dtype than the compute dtype: the weights compute uses,
+    cast to the compute dtype, which the step keeps for the backward's matmuls (JAX saves them
+    as residuals; every param when gathered once or on one device, else one layer and the
+    embedding). On CPU and GPU the fitted activations hold it."""
+    if not cluster.tpu or cfg.weight_dtype == cfg.dtype:
+        return 0
+    whole = layout.gather_once or cluster.num_devices == 1
+    return (m.param_count if whole else m.layer_param_count + m.largest_leaf) \
+        * DTYPE_BYTES[cfg.dtype]
+
+
 # --- the plan -----------------------------------------------------------------------------
 
 
@@ -422,8 +372,9 @@ def plan(cfg: Config, cluster: Cluster, mc, routing: tuple[int, int] | None = No
         "gradients": sharded * (2 if accumulating else 1),
         "gathered params + grads": 2 * replica * w,
         "reference params": sharded if cfg.grpo_beta else 0,
-        "activations": tokens * activation_bytes_per_token(m, c, row_len,
-                                                           remat=cfg.remat_policy == "full"),
+        "activations": tokens * activation_bytes_per_token(
+            m, c, row_len, remat=cfg.remat_policy == "full", tpu=cluster.tpu),
+        "params cast": params_cast_bytes(cfg, cluster, m, layout),
         "logits": logits_bytes(m, tokens, cfg.train_logits_chunk_tokens),
         **engine_bytes,
         **cpu_host_items(cfg, cluster, m),
@@ -436,7 +387,7 @@ def plan(cfg: Config, cluster: Cluster, mc, routing: tuple[int, int] | None = No
     state = items["params"] + items["optimizer state"] + items["engine weights"] + kept \
         + items["process baseline"]
     train_keys = ("gradients", "gathered params + grads", "reference params", "activations",
-                  "logits", "bf16 matmul fp32 copy")
+                  "params cast", "logits", "bf16 matmul fp32 copy")
     publish = m.param_count * w if cfg.rl_publish_weights_single_call else m.largest_leaf * w
     phases = {
         "generate": state + pool - kept + generate_scratch(engine_bytes)
@@ -447,7 +398,8 @@ def plan(cfg: Config, cluster: Cluster, mc, routing: tuple[int, int] | None = No
     }
     whole = layout.rows_per_device * row_len
     activations = {
-        f"{name}, {mode}": n * activation_bytes_per_token(m, c, row_len, remat=mode == "remat")
+        f"{name}, {mode}": n * activation_bytes_per_token(m, c, row_len, remat=mode == "remat",
+                                                           tpu=cluster.tpu)
         for name, n in (("one batch", whole), ("micro-batch", tokens))
         for mode in ("no remat", "remat")
     }
@@ -548,18 +500,24 @@ def main(argv: list[str] | None = None) -> int:
                              " as the trainer assumes on CPU)")
     parser.add_argument("--hosts", type=int, default=1)
     parser.add_argument("--devices-per-host", type=int, default=1)
+    parser.add_argument("--tpu", action="store_true",
+                        help="the devices are TPUs of --hbm-gib each (the train step's "
+                             "activations as XLA's TPU assignment keeps them)")
     args = parser.parse_args(argv)
     try:
         cfg = load_config(args.recipe, args.overrides)
         if args.hosts < 1 or args.devices_per_host < 1:
             raise ConfigError("--hosts and --devices-per-host must be >= 1")
+        if args.tpu and args.hbm_gib <= 0:
+            raise ConfigError("--tpu needs --hbm-gib, the HBM of one TPU device")
         cfg.validate_topology(args.hosts, args.devices_per_host)
     except ConfigError as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     device_bytes = int(args.hbm_gib * GIB) if args.hbm_gib > 0 else \
         host_memory_bytes() // args.devices_per_host
-    cluster = Cluster(args.hosts, args.devices_per_host, device_bytes, cpu=args.hbm_gib <= 0)
+    cluster = Cluster(args.hosts, args.devices_per_host, device_bytes, cpu=args.hbm_gib <= 0,
+                      tpu=args.tpu)
     mc = model_config_for(cfg)
     p = plan(cfg, cluster, mc)
     print(table(p))

@@ -8,6 +8,7 @@ and exits too, so one host's exception never leaves the others waiting.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import os
 import sys
@@ -26,6 +27,7 @@ WATCHDOG_EXIT_CODE = 3
 ABORT_EXIT_CODE = 1
 PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as a process killed by the notice would report
 _ABORT_KEY = "tunix_mcjax/abort"
+CLOSE_TIMEOUT_S = 10.0  # a watchdog's poll is one non-blocking key-value read
 _ABORT_LINGER_S = 2.0  # a failing host keeps the coordination service up this long for peers
 
 
@@ -55,6 +57,13 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
             raise
         print(f"no cluster found ({e}); running as a single process", file=sys.stderr)
     return current()
+
+
+def use_compilation_cache(directory: str) -> None:
+    """JAX's persistent compilation cache in `directory` (~ expanded) for this process; call
+    before its first compile (JAX reads the setting once). "": JAX's own setting stays."""
+    if directory:
+        jax.config.update("jax_compilation_cache_dir", os.path.expanduser(directory))
 
 
 def initialize_from_env() -> Topology:
@@ -175,7 +184,19 @@ class Watchdog:
         self._deadline: float | None = None
         self._phase, self._budget, self._key = "", timeout_s, "collective_timeout_s"
         self._lock = threading.Lock()
-        threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True, name="watchdog")
+        self._thread.start()
+        # Stopped before the interpreter finalizes (and before JAX's own atexit shutdown): a
+        # daemon thread still polling the coordination client then dies inside its C++ call,
+        # and the process aborts ("FATAL: exception not rethrown") after a clean run.
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Stops the watch; returns once its thread has ended (within a poll interval)."""
+        self._closed.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=CLOSE_TIMEOUT_S)
 
     @contextmanager
     def guard(self, phase: str, compiles: bool = False):
@@ -192,8 +213,7 @@ class Watchdog:
                 self._deadline = None
 
     def _watch(self) -> None:
-        while True:
-            time.sleep(min(1.0, self.timeout_s / 4))
+        while not self._closed.wait(min(1.0, self.timeout_s / 4)):
             with self._lock:
                 waiting = self._deadline is not None
                 late = waiting and time.monotonic() > self._deadline

@@ -3,12 +3,13 @@
     python -m tunix_mcjax.aot RECIPE [key=value ...] --topology NAME [--json PATH]
                               [--programs engine,train,publish,decode]
 
-RECIPE is a YAML recipe or a benchmark profile's name (`bench.profiles`, e.g. gsm8k). NAME is
-libtpu's topology name (v5e:2x2, v6e:2x2, v5p:2x2x1, tpu7x:2x2x1 .. tpu7x:4x4x4). Needs libtpu
-(`make setup-tpu-compiler`). Prints, per program, the compile seconds and XLA's memory analysis
-per device, the phase's peak beside the planner's, and whether it fits the device's HBM; and the
-decode step's cost against the HBM roofline. Exits 1 naming the keys to change when a phase does
-not fit, 2 on a config error, 3 without libtpu.
+RECIPE is a YAML recipe or a benchmark profile's name (`bench.profiles`, e.g. gsm8k), or one
+of MaxText's RL scripts (`maxtext.recipes.UPSTREAM`: its maxtext engine's loop,
+`aot.maxtext_programs`). NAME is libtpu's topology name (v5e:2x2, v6e:2x2, v5p:2x2x1,
+tpu7x:2x2x1 .. tpu7x:4x4x4). Needs libtpu (`make setup-tpu-compiler`). Prints, per program, the
+compile seconds and XLA's memory analysis per device, the phase's peak beside the planner's, and
+whether it fits the device's HBM; and the decode step's cost against the HBM roofline. Exits 1
+naming the keys to change when a phase does not fit, 2 on a config error, 3 without libtpu.
 """
 
 from __future__ import annotations
@@ -101,7 +102,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 3
     from tunix_mcjax.config import ConfigError
+    from tunix_mcjax.maxtext.recipes import UPSTREAM
 
+    if args.recipe in UPSTREAM:  # MaxText's RL script: its maxtext engine (aot.maxtext_programs)
+        return maxtext_main(args)
     try:
         cfg = load(args.recipe, args.overrides)
         which = tuple(args.programs.split(","))
@@ -115,6 +119,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"config error: {e}", file=sys.stderr)
         return 2
     return print_result(result)
+
+
+def maxtext_main(args) -> int:
+    from tunix_mcjax.aot import maxtext_programs, report
+    from tunix_mcjax.config import ConfigError
+
+    try:
+        result = maxtext_programs.run(
+            args.recipe, args.overrides, args.topology,
+            lambda r: write_json(args.json, {**r, "recipe": args.recipe}))
+    except (ConfigError, ValueError) as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    for row in result["compiled"]:
+        print("\n".join(report.program_lines(row)))
+    fits = all(row.get("fits") for row in result["compiled"])
+    print("every program fits" if fits else "does NOT fit")
+    return 0 if fits else 1
 
 
 if __name__ == "__main__":

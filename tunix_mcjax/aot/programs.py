@@ -145,14 +145,16 @@ def pool_shapes(model: Qwen3PagedModel, num_pages: int, page_size: int):
     return sds(pool.shape, pool.dtype, NamedSharding(model.mesh, model.layout.spec("data")))
 
 
-def program_shape(cfg: Config, e: plan.PagedShape) -> ProgramShape:
+def program_shape(cfg: Config, e: plan.PagedShape, pack_decode_rows: bool = True
+                  ) -> ProgramShape:
     """The decode loop's shape for the planner's full share at the caps."""
     group = pow2_at_least(min(cfg.num_generations, e.requests))
     return ProgramShape(
         num_requests=e.num_requests, num_slots=e.num_slots, num_prompts=e.num_prompts,
         prompt_len=e.prompt_len, max_new=e.max_new, page_size=e.page_size,
         num_pages=e.pool_pages, chunk=e.chunk, prefill_rows=e.prefill_rows,
-        group_size=group if cfg.enable_prefix_caching else 1)
+        group_size=group if cfg.enable_prefix_caching else 1,
+        pack_decode_rows=pack_decode_rows)
 
 
 def loop_inputs(shape: ProgramShape, sharding) -> Inputs:

@@ -54,7 +54,7 @@ class Target:
 
     def cluster(self) -> plan.Cluster:
         """The planner's view of the slice."""
-        return plan.Cluster(self.hosts, self.devices_per_host, self.chip.hbm_bytes)
+        return plan.Cluster(self.hosts, self.devices_per_host, self.chip.hbm_bytes, tpu=True)
 
     def trainer_mesh(self) -> Mesh:
         """Every device on one FSDP axis, as `topology.trainer_mesh` lays out a run's."""

@@ -254,10 +254,15 @@ def main(argv: list[str] | None = None) -> None:
                       "devices_per_host": args.devices_per_host,
                       "tunix_devices": args.tunix_devices, "initial_checkpoint": str(init_dir)}
     out.mkdir(parents=True, exist_ok=True)
-    (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
-    (out / "report.md").write_text(markdown(rep))
+    write_report(out, rep, markdown(rep))
     print(f"wrote {plot(results, rep, out / 'curves.png')}")
     print(markdown(rep))
+
+
+def write_report(out: Path, rep: dict, text: str) -> None:
+    """A benchmark's report.json and report.md under `out`."""
+    (out / "report.json").write_text(json.dumps(rep, indent=2) + "\n")
+    (out / "report.md").write_text(text)
 
 
 if __name__ == "__main__":

@@ -29,6 +29,12 @@ class Run:
         "runs", "Parent of the run directory: any path etils.epath opens (local, gs://).",
         runtime_only=True)
     seed: int = key(0, "Seed of the prompt order, sampling and evaluation.")
+    jax_cache_dir: str = key(
+        "", "JAX's persistent compilation cache, set in every process of the run (each host; "
+        "each Ray actor under mcjax_da), so a rerun loads its programs instead of compiling "
+        "them: a directory (~ expanded); empty: JAX's own setting (JAX_COMPILATION_CACHE_DIR). "
+        "MaxText's key of the same name maps here, with its default ~/jax_cache.",
+        runtime_only=True)
     steps: int = key(100, "Training steps (one batch and its updates each).", check=positive(),
                      runtime_only=True)
     rl_runtime: Literal["mcjax", "single", "mcjax_da"] = key(
@@ -235,10 +241,9 @@ class RolloutCorrection:
     sampler_is_threshold: float = key(
         2.0, "The TIS cap: the largest weight (Tunix's default 2.0).", check=positive())
     rollout_rs: Literal["none", "token", "sequence"] = key(
-        "none", "Masked importance sampling (MIS, verl's rollout rejection sampling): a token "
-        "(token) or a whole sequence (sequence) whose p_trainer / p_rollout ratio leaves "
-        "[rollout_rs_threshold_lower, rollout_rs_threshold] gets no policy gradient; the "
-        "clipped ratio is taken against the trainer's own logprobs; none: off.")
+        "none", "Masked importance sampling (MIS, verl's rollout rejection sampling): no policy "
+        "gradient for a token (token) or whole sequence (sequence) whose p_trainer / p_rollout "
+        "leaves [rollout_rs_threshold_lower, rollout_rs_threshold]; ratio as TIS's; none: off.")
     rollout_rs_threshold: float = key(
         2.0, "MIS's upper bound of the ratio (verl's rollout_rs_threshold).",
         check=Check(lambda v: 1 < v < math.inf, "> 1", "> 1 (the upper bound of the ratio)"))

@@ -160,7 +160,8 @@ class JaxEngine(Engine):
 
     def _decode_model(self, mesh: Mesh) -> DecodeModel:
         platform = mesh.devices.flat[0].platform
-        return Qwen3PagedModel(self.model_config, mesh, layout_for(platform, mesh.devices.size))
+        return Qwen3PagedModel(self.model_config, mesh, layout_for(
+            platform, mesh.devices.size, self.model_config.head_dim))
 
     def _replica_model(self, mesh_index: int) -> DecodeModel:
         """The decode model of replica (mesh) `mesh_index`, built once."""
@@ -233,8 +234,9 @@ class JaxEngine(Engine):
                     f"expected {spec.shape}"
                 )
         for mesh, replica_params in zip(self.meshes, self._params, strict=True):
-            for path, leaf in flat.items():
-                replica_params[path] = self._place(leaf, self._leaf_specs[path], mesh)
+            with jax.set_mesh(mesh):  # a cast runs on the replica, not the trainer's mesh
+                for path, leaf in flat.items():
+                    replica_params[path] = self._place(leaf, self._leaf_specs[path], mesh)
 
     def _place(self, leaf: Any, spec: _LeafSpec, mesh: Mesh) -> jax.Array:
         """Put one leaf on `mesh`; a replicated jax Array is used in place, shard by shard."""
@@ -246,9 +248,10 @@ class JaxEngine(Engine):
         }
         mesh_devices = list(mesh.devices.flat)
         if sharding.is_fully_replicated and all(d in full_copies for d in mesh_devices):
-            return jax.make_array_from_single_device_arrays(
-                spec.shape, sharding, [full_copies[d].astype(spec.dtype) for d in mesh_devices]
+            placed = jax.make_array_from_single_device_arrays(
+                spec.shape, sharding, [full_copies[d] for d in mesh_devices]
             )
+            return placed if placed.dtype == spec.dtype else placed.astype(spec.dtype)
         if full_copies:
             source = full_copies.get(mesh_devices[0], next(iter(full_copies.values())))
         elif leaf.is_fully_addressable:
@@ -258,7 +261,8 @@ class JaxEngine(Engine):
                 "a jax Array param must be replicated over this host's devices (or fully "
                 "addressable); reshard it to replicated first"
             )
-        return jax.device_put(source.astype(spec.dtype), sharding)
+        placed = jax.device_put(source, sharding)
+        return placed if placed.dtype == spec.dtype else placed.astype(spec.dtype)
 
     def weights(self, replica: int = 0) -> dict[str, Any]:
         """The param tree replica `replica` decodes with (a nested dict of jax Arrays), in

@@ -6,8 +6,9 @@ RoPE, MoE and output head, so it is the forward the trainer scores with. Only at
 each layer's `AttentionOp` is replaced, per call, by `PagedAttentionOp`, which writes the layer's
 keys and values into our page pool and attends over it (`engine.paged_attention`) with the
 layer's sliding window (by token position), sinks and soft cap; Gemma4's KV-shared layers read
-their donor's pages. It decodes unscanned; `scan_plan` and `unstack_layers` slice a scanned
-tree into layers.
+their donor's pages. Each KV slot has its page layout: on TPU the Pallas kernel's, except for
+layers with sinks, which it lacks (`slot_layouts`). It decodes unscanned; `scan_plan` and
+`unstack_layers` slice a scanned tree into layers.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import Mesh, PartitionSpec
 
-from tunix_mcjax.engine.paged_attention import SplitPages
+from tunix_mcjax.engine.paged_attention import KERNEL_HEAD_DIM, CombinedPages, SplitPages
 
 DECODER, STACKED_LAYERS, LAYER_PREFIX = "decoder", "layers", "layers_"
 TENSOR_AXIS = "tensor"
@@ -203,11 +204,12 @@ def unstack_layers(flat: dict[tuple[str, ...], Any], plan: ScanPlan,
 
 
 class _PagedCall:
-    """What one forward of `MaxTextPagedModel` shares with its layers' attention: the rows, the
-    page layout, and the pool (a list over KV slots), which each writing layer replaces."""
+    """What one forward of `MaxTextPagedModel` shares with its layers' attention: the rows, each
+    KV slot's page layout, and the pool (a list over KV slots), which each writing layer
+    replaces."""
 
-    def __init__(self, layout: Any, pool: list[Any], rows: Any):
-        self.layout, self.pool, self.rows = layout, list(pool), rows
+    def __init__(self, layouts: list[Any], pool: list[Any], rows: Any):
+        self.layouts, self.pool, self.rows = layouts, list(pool), rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -229,11 +231,11 @@ class PagedAttentionOp:
                  model_mode=None, cached_values=None, previous_chunk=None,
                  bidirectional_mask=None, sinks=None, **unused: Any):
         call, rows = self.call, self.call.rows
-        layer = call.pool[self.slot]
+        layer, layout = call.pool[self.slot], call.layouts[self.slot]
         if self.writes:
-            layer = call.layout.write(layer, rows.write_pages, rows.write_offsets, key, value)
+            layer = layout.write(layer, rows.write_pages, rows.write_offsets, key, value)
             call.pool[self.slot] = layer
-        out = call.layout.attend(query, layer, rows.tables, rows.kv_lens, rows.q_lens,
+        out = layout.attend(query, layer, rows.tables, rows.kv_lens, rows.q_lens,
                                  prefix=rows.prefix, window=self.window, sinks=sinks, scale=1.0,
                                  soft_cap=self.soft_cap)
         return out.astype(query.dtype)
@@ -299,6 +301,7 @@ class _LayerAttention:
     soft_cap: float | None
     kv_heads: int
     head_dim: int
+    sinks: bool  # gpt-oss's per-head sink logits
 
 
 def _layer_attention(attn: nnx.Module, slot: int, own_slot: bool) -> _LayerAttention:
@@ -313,7 +316,19 @@ def _layer_attention(attn: nnx.Module, slot: int, own_slot: bool) -> _LayerAtten
         raise ValueError("chunked attention has no paged decode")
     window = op.sliding_window_size if kind == AttentionType.LOCAL_SLIDING else None
     return _LayerAttention(slot, own_slot, window or None, op.attn_logits_soft_cap or None,
-                           int(attn.num_kv_heads), int(attn.head_dim))
+                           int(attn.num_kv_heads), int(attn.head_dim),
+                           getattr(attn, "sinks", None) is not None)
+
+
+def slot_layouts(layout: Any, layers: list[_LayerAttention]) -> dict[int, Any]:
+    """Each KV slot's page layout: `layout`, except where it is `CombinedPages` (JAX's TPU
+    kernel, which has no attention sinks and compiles for KERNEL_HEAD_DIM heads only) for a
+    slot that a layer with sinks reads (gpt-oss's) or whose heads are of another width
+    (Gemma4's 256 and 512): that slot's pages are `SplitPages`, attended by XLA, which runs on
+    any backend."""
+    unfit = {a.slot for a in layers if a.sinks or a.head_dim != KERNEL_HEAD_DIM}
+    return {a.slot: SplitPages() if isinstance(layout, CombinedPages) and a.slot in unfit
+            else layout for a in layers if a.writes}
 
 
 # MoE up-projections [experts, embed, mlp]: MaxText's decode einsum "BSM,EMH->BSEH" contracts
@@ -374,18 +389,20 @@ class MaxTextPagedModel:
     no cache variables, MaxText's own projections, norms, RoPE, MoE and output head), unscanned,
     with each layer's `AttentionOp` replaced by `PagedAttentionOp` over our page pool. The
     pool is a list over KV slots (one per layer, KV-shared layers read their donor's), each in
-    `layout`, with that layer's kv heads and head dim (Gemma4's global layers differ); kv heads
-    split over "tensor" where they divide. With `record_routing`, each call also returns the
-    experts every token went to (`routing_shape`: MoE layers, top-k)."""
+    its layout (`slot_layouts` of `layout`; `layouts`, {slot: layout}, sets them instead), with
+    that layer's kv heads and head dim (Gemma4's global layers differ); kv heads split over
+    "tensor" where they divide. With `record_routing`, each call also returns the experts every
+    token went to (`routing_shape`: MoE layers, top-k)."""
 
     def __init__(self, config: Any, mesh: Mesh, layout: Any, *,
-                 expert_minor_keys: set[tuple] = frozenset(), record_routing: bool = False):
+                 expert_minor_keys: set[tuple] = frozenset(),
+                 layouts: dict[int, Any] | None = None, record_routing: bool = False):
         from maxtext.common.common_types import MODEL_MODE_TRAIN
 
         if config.scan_layers:
             raise ValueError("the paged maxtext engine decodes an unscanned model "
                              "(scan_layers=false; a uniform stack is unstacked for it)")
-        self.config, self.mesh, self.layout, self.mode = config, mesh, layout, MODEL_MODE_TRAIN
+        self.config, self.mesh, self.mode = config, mesh, MODEL_MODE_TRAIN
         self.expert_minor_keys = expert_minor_keys  # params stored [embed, experts, mlp]
         self._pool_makers: dict[tuple[int, int], Any] = {}
         self.rules = config.logical_axis_rules
@@ -396,6 +413,10 @@ class MaxTextPagedModel:
         self.layers = [_layer_attention(attn, slot, slot not in slots[:i])
                        for i, ((_, attn), slot) in enumerate(zip(layers, slots, strict=True))]
         self.slot_shapes = {a.slot: (a.kv_heads, a.head_dim) for a in self.layers if a.writes}
+        self.layouts = slot_layouts(layout, self.layers) if layouts is None else dict(layouts)
+        if self.layouts.keys() != self.slot_shapes.keys():
+            raise ValueError(f"layouts must name every KV slot {sorted(self.slot_shapes)}, "
+                             f"not {sorted(self.layouts)}")
         self.dtype = jnp.dtype(config.dtype)
         self.routing_shape = None
         if record_routing:
@@ -411,19 +432,22 @@ class MaxTextPagedModel:
         return sum(page_size * 2 * k * h * self.dtype.itemsize // (tp if k % tp == 0 else 1)
                    for k, h in self.slot_shapes.values())
 
-    def _specs(self) -> list[Any]:
+    def pool_specs(self) -> list[Any]:
+        """Each KV slot's partition on the replica mesh: kv heads over "tensor" where they
+        divide."""
         tp = self.mesh.shape[TENSOR_AXIS]
         specs = []
         for slot in sorted(self.slot_shapes):
             heads = TENSOR_AXIS if self.slot_shapes[slot][0] % tp == 0 else None
-            split = isinstance(self.layout, SplitPages)  # [K, P, page, H]; else [P, page, 2K, H]
+            # [K, P, page, H]; else [P, page, 2K, H]
+            split = isinstance(self.layouts[slot], SplitPages)
             specs.append(PartitionSpec(heads, None, None, None) if split
                          else PartitionSpec(None, None, heads, None))
         return specs
 
     def _shard(self, pool: list[Any]) -> list[Any]:
         out = []
-        for layer, spec in zip(pool, self._specs(), strict=True):
+        for layer, spec in zip(pool, self.pool_specs(), strict=True):
             sharding = jax.sharding.NamedSharding(self.mesh, spec)
             out.append(jax.tree.map(lambda x, s=sharding: jax.lax.with_sharding_constraint(x, s),
                                     layer))
@@ -432,17 +456,18 @@ class MaxTextPagedModel:
     def empty_pool(self, num_pages: int, page_size: int) -> list[Any]:
         if (num_pages, page_size) not in self._pool_makers:  # compiled once per pool shape
             def make():
-                return [self.layout.empty(num_pages, page_size, *self.slot_shapes[slot],
-                                          self.dtype) for slot in sorted(self.slot_shapes)]
+                return [self.layouts[slot].empty(num_pages, page_size,
+                                                 *self.slot_shapes[slot], self.dtype)
+                        for slot in sorted(self.slot_shapes)]
 
-            shardings = [jax.sharding.NamedSharding(self.mesh, spec) for spec in self._specs()]
+            shardings = [jax.sharding.NamedSharding(self.mesh, spec) for spec in self.pool_specs()]
             shardings = [jax.tree.map(lambda _, s=s: s, layer) for s, layer in
                          zip(shardings, jax.eval_shape(make), strict=True)]
             self._pool_makers[num_pages, page_size] = jax.jit(make, out_shardings=shardings)
         return self._pool_makers[num_pages, page_size]()
 
     def forward(self, params: Any, pool: list[Any], rows: Any) -> tuple[jax.Array, list[Any]]:
-        call = _PagedCall(self.layout, pool, rows)
+        call = _PagedCall(self.layouts, pool, rows)
         model = nnx.merge(self.graph, expert_major(params, self.expert_minor_keys), copy=True)
         for (_, attn), layer in zip(attention_layers(model), self.layers, strict=True):
             attn.attention_op = PagedAttentionOp(call, layer.slot, layer.writes, layer.window,
@@ -460,4 +485,5 @@ class MaxTextPagedModel:
         return (*out, recorded_routing(moes)) if moes else out
 
     def copy_page(self, pool: list[Any], source: jax.Array, target: jax.Array) -> list[Any]:
-        return [self.layout.copy_page(layer, source, target) for layer in pool]
+        return [self.layouts[slot].copy_page(layer, source, target)
+                for slot, layer in zip(sorted(self.slot_shapes), pool, strict=True)]

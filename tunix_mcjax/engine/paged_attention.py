@@ -456,10 +456,17 @@ def unpack_rows(out: jax.Array, where: tuple, shape: tuple[int, ...]) -> jax.Arr
     return rows.at[jnp.where(real, row, shape[0]), col].set(out, mode="drop")
 
 
-def layout_for(platform: str, devices: int = 1) -> SplitPages | CombinedPages:
-    """The page layout of a replica mesh of `devices` devices on `platform`: the Pallas
-    kernel's on TPU; on GPU the Pallas decode kernel for a one-device mesh (XLA does not
-    partition a Pallas call over a mesh), XLA's elsewhere."""
-    if platform == "tpu":
+# The one head dim JAX's TPU ragged_paged_attention compiles for (libtpu 0.0.50.1's Mosaic,
+# cross-compiled for TPU7x: 64 fails an assertion, 256 and 512 "The last dim size is not 128").
+KERNEL_HEAD_DIM = 128
+
+
+def layout_for(platform: str, devices: int = 1,
+               head_dim: int = KERNEL_HEAD_DIM) -> SplitPages | CombinedPages:
+    """The page layout of a replica mesh of `devices` devices on `platform`, for heads
+    `head_dim` wide. A Pallas kernel needs a one-device mesh (XLA does not partition a Pallas
+    call over a mesh): then on TPU the Pallas `ragged_paged_attention` for KERNEL_HEAD_DIM
+    heads, on GPU the Pallas decode kernel; XLA's attention otherwise."""
+    if devices == 1 and platform == "tpu" and head_dim == KERNEL_HEAD_DIM:
         return CombinedPages()
     return GpuPages() if platform == "gpu" and devices == 1 else SplitPages()

@@ -50,6 +50,7 @@ HONOURED: dict[str, str] = {
     "rl_balance_prompts_by_length": "rl_balance_prompts_by_length (O3)",
     "rl_balance_by_expected_output": "rl_balance_by_expected_output (O3 by output length too)",
     "rl_publish_weights_single_call": "rl_publish_weights_single_call (O4)",
+    "jax_cache_dir": "jax_cache_dir (JAX's compilation cache in every process of the run)",
     # GRPO batch, lengths, steps.
     "batch_size": "batch_size (prompts per step)",
     "rl.num_generations": "num_generations",
@@ -516,6 +517,7 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str,
         "run_name": config.run_name,
         "base_output_directory": config.base_output_directory,
         "seed": config.data_shuffle_seed,
+        "jax_cache_dir": config.jax_cache_dir or "",
         # MaxText's train_steps counts updates: num_iterations per batch.
         "steps": int(config.train_steps) // rl.num_iterations,
         "num_iterations": rl.num_iterations,

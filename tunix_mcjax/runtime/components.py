@@ -53,6 +53,7 @@ def build(cfg: Config, topo: topology.Topology,
     """`components` (prebuilt, a function that builds them, or None: the config's), and the
     run's prompts. Prompts over the budget and unknown rewards fail before the model build;
     every build that waits on other hosts runs under the watchdog."""
+    topology.use_compilation_cache(cfg.jax_cache_dir)
     if callable(components):
         with watchdog.guard("build", compiles=True):
             components = components()

@@ -57,6 +57,7 @@ class RolloutWorker:
 
     def __init__(self, cfg: Config, index: int, num_rollouts: int):
         self.cfg, self.index = cfg, index
+        topology.use_compilation_cache(cfg.jax_cache_dir)
         tokenizer = load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
         prompts = phases.Prompts.load(cfg, tokenizer, load_task(cfg), index)
         self.engine = phases.default_engine(

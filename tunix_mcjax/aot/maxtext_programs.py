@@ -1,0 +1,133 @@
+"""The maxtext engine's decode-loop program for a TPU slice, from shapes only, at a MaxText RL
+script's keys (`python -m tunix_mcjax.aot run_gptoss_20b_rl --topology v5p:2x4x4`).
+
+The script's command is read from the installed script (`maxtext.recipes.script_command`) and
+checked as a run checks it (`maxtext.checked_config`); `key=value` overrides follow it. The
+program is `decode_loop.build_program` over `MaxTextPagedModel` (MaxText's training forward,
+unscanned, our paged attention) for one replica on the first `rollout_tensor_parallelism`
+devices, at a full share of the step's rollouts, on the TPU page layout: `CombinedPages` (JAX's
+Pallas `ragged_paged_attention`), and `SplitPages` for layers with attention sinks (gpt-oss).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tunix_mcjax import plan
+from tunix_mcjax.aot.programs import Program, loop_inputs, program_shape, sds
+from tunix_mcjax.aot.target import Target
+from tunix_mcjax.config import Config
+from tunix_mcjax.engine import pages
+from tunix_mcjax.engine.decode_loop import build_program
+from tunix_mcjax.engine.maxtext_model import (
+    MaxTextPagedModel,
+    decode_config,
+    local_mesh,
+    param_specs,
+)
+from tunix_mcjax.engine.paged_attention import CombinedPages
+from tunix_mcjax.engine.sampling import SamplerSpec
+from tunix_mcjax.runtime.phases import sampling_params
+
+
+def script_configs(name: str, overrides: list[str], hosts: int) -> tuple[Any, Config]:
+    """(MaxText's config, our Config) of MaxText's RL script `name` with `overrides` after its
+    own keys, checked as a run on `hosts` hosts checks them."""
+    from tunix_mcjax.maxtext import checked_config, recipes
+
+    _, args = recipes.script_command(name)
+    train_rl = recipes.script_path(name).parents[1] / "train_rl.py"
+    config, cfg, _ = checked_config([str(train_rl), *args, *overrides], {}, num_hosts=hosts)
+    return config, cfg
+
+
+def engine_config(config: Any, cfg: Config) -> Any:
+    """The engine's MaxText config, as `MaxTextEngine._config` makes it (unscanned, no remat)."""
+    config = decode_config(config, batch=1, prompt_len=cfg.max_prefill_predict_length,
+                           max_new=cfg.max_completion_length,
+                           weight_dtype=cfg.rollout_weight_dtype or None)
+    return config.model_copy(update={"remat_policy": "none", "scan_layers": False})
+
+
+def engine_params(config: Any, mesh) -> tuple[dict, int]:
+    """(MaxText's unscanned param tree as sharded ShapeDtypeStructs, its bytes per device)."""
+    tree: dict[Any, Any] = {}
+    per_device = 0
+    for keys, shape, dtype, spec in param_specs(config, mesh).values():
+        leaf = sds(shape, dtype, NamedSharding(mesh, spec))
+        per_device += int(np.prod(leaf.sharding.shard_shape(shape))) * np.dtype(dtype).itemsize
+        node = tree
+        for key in keys[:-1]:
+            node = node.setdefault(key, {})
+        node[keys[-1]] = leaf
+    return tree, per_device
+
+
+def pool_shapes(model: MaxTextPagedModel, num_pages: int, page_size: int) -> list[Any]:
+    """The engine's pool (a list over KV slots) as sharded ShapeDtypeStructs."""
+    made = jax.eval_shape(lambda: [
+        model.layouts[slot].empty(num_pages, page_size, *model.slot_shapes[slot], model.dtype)
+        for slot in sorted(model.slot_shapes)])
+    shardings = [NamedSharding(model.mesh, spec) for spec in model.pool_specs()]
+    return [jax.tree.map(lambda x, s=sharding: sds(x.shape, x.dtype, s), layer)
+            for layer, sharding in zip(made, shardings, strict=True)]
+
+
+def engine_loop(config: Any, cfg: Config, target: Target) -> tuple[Program, dict]:
+    """The maxtext engine's decode loop for one replica, and what it was built at."""
+    tp = cfg.rollout_tensor_parallelism
+    engine_cfg = engine_config(config, cfg)
+    mesh = local_mesh(engine_cfg, np.array(target.devices[:tp]))
+    params, weight_bytes = engine_params(engine_cfg, mesh)
+    model = MaxTextPagedModel(engine_cfg, mesh, CombinedPages())
+    # One replica's loop for a full share at the caps, its pool as the engine sizes it; the
+    # maxtext engine decodes every slot (no packed decode rows).
+    one_page = model.page_bytes(cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE, tp)
+    shape = program_shape(cfg, plan.paged_shape_of(cfg, target.cluster(), one_page, weight_bytes),
+                          pack_decode_rows=False)
+    spec = SamplerSpec.of(sampling_params(cfg), engine_cfg.vocab_size)
+    fn = build_program(model, shape, spec, None, engine_cfg.vocab_size)
+    pool = pool_shapes(model, shape.num_pages, shape.page_size)
+    inputs = loop_inputs(shape, NamedSharding(mesh, P()))
+    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+        lowered = jax.jit(fn, donate_argnums=1).lower(params, pool, inputs)
+    layouts = sorted({type(layout).__name__ for layout in model.layouts.values()})
+    facts = {"weight_bytes_per_device": weight_bytes, "num_pages": shape.num_pages,
+             "num_slots": shape.num_slots, "num_requests": shape.num_requests,
+             "prompt_len": shape.prompt_len, "max_new": shape.max_new,
+             "page_size": shape.page_size, "tensor_parallelism": tp, "page_layouts": layouts,
+             "layers": engine_cfg.num_decoder_layers, "dtype": str(jnp.dtype(model.dtype))}
+    return Program("maxtext engine decode loop", "generate", lowered,
+                   (params, pool, inputs), None), facts
+
+
+def run(name: str, overrides: list[str], topology: str, save=lambda result: None) -> dict:
+    """Compiles the maxtext engine's loop of MaxText's RL script `name` for `topology`: compile
+    seconds (wall and this process's CPU), XLA's memory analysis, whether it fits a device."""
+    import time
+
+    from tunix_mcjax.aot import report
+    from tunix_mcjax.aot.target import target
+
+    tgt = target(topology)
+    config, cfg = script_configs(name, overrides, tgt.hosts)
+    report.progress(f"{name} ({config.model_name}) on {topology}: building the maxtext engine")
+    program, facts = engine_loop(config, cfg, tgt)
+    result = {"topology": topology, "device_kind": tgt.device_kind, "hosts": tgt.hosts,
+              "devices_per_host": tgt.devices_per_host, "hbm_bytes": tgt.chip.hbm_bytes,
+              "script": name, "model": config.model_name, "overrides": overrides,
+              "engine": facts, "compiled": []}
+    cpu = time.process_time()
+    row, _ = report.compile_program(program, tgt, None)
+    if row["compiled"]:
+        row.update(compile_cpu_s=round(time.process_time() - cpu, 2),
+                   fits=row["peak"] <= tgt.chip.hbm_bytes)
+    result["compiled"].append(row)
+    save(result)
+    return result
