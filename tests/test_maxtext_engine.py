@@ -75,28 +75,30 @@ def family_params(name: str) -> list:
 ALL = [p for name in FAMILIES for p in family_params(name)]
 
 
-def perturbed(params: nnx.State, seed: int) -> nnx.State:
+def perturbed(params: nnx.State, seed: int, scale: float = 0.5) -> nnx.State:
     """Random weights of some scale everywhere (MaxText's init gives near-constant argmaxes
-    and unit norm scales, which would hide a wrong cache or a skipped norm)."""
+    and unit norm scales, which would hide a wrong cache or a skipped norm); scale 0: as
+    initialized."""
     key = jax.random.key(seed)
     for i, (_, var) in enumerate(nnx.to_flat_state(params)):
         value = var.get_value()
         noise = jax.random.normal(jax.random.fold_in(key, i), value.shape, value.dtype)
-        var.set_value(value + 0.5 * noise)
+        var.set_value(value + scale * noise)
     return params
 
 
 class World:
     """One family: the trainer's MaxText model and params, and an engine on one local device."""
 
-    def __init__(self, name: str, overrides: tuple[str, ...] = (), **engine_kwargs):
+    def __init__(self, name: str, overrides: tuple[str, ...] = (), scale: float = 0.5,
+                 **engine_kwargs):
         self.name = name
         keys = {o.split("=")[0] for o in overrides}
         args = [a for a in (*FAMILIES[name], *CPU) if a.split("=")[0] not in keys]
         self.config, _ = load_maxtext_config(["", RL_YML, *args, *overrides], {})
         model, self.mesh = policy.build_model(self.config, pad_id=0)
         self.policy, params = policy.maxtext_policy(model, self.config)
-        self.params = perturbed(params, seed=1)
+        self.params = perturbed(params, seed=1, scale=scale)
         engine_kwargs = {"max_prompt_length": 16, "max_new_tokens": MAX_NEW,
                          "max_batch_size": 2, **engine_kwargs}
         self.engine = MaxTextEngine(self.config, jax.local_devices()[:1], pad_id=0,

@@ -84,6 +84,22 @@ def test_accumulation_splits_the_rows_and_their_activations():
     assert remat.items["activations"] == split.activations["micro-batch, remat"]
 
 
+def test_router_replay_counts_its_recorded_indices():
+    """moe_router_replay's int32 [tokens, MoE layers, k]: the engine's prompts and completions
+    at the caps in the generate phase, the train rows in the train phase."""
+    cfg = load_config(RECIPE)
+    mc = plan.model_config_for(cfg)
+    cluster = plan.Cluster(2, 1, 24 * GIB)
+    plain, routed = plan.plan(cfg, cluster, mc), plan.plan(cfg, cluster, mc, routing=(48, 8))
+    e, row_tokens = plain.engine, plain.layout.rows_per_device * cfg.max_target_length
+    engine_tokens = e.num_prompts * e.prompt_len + e.num_requests * e.max_new
+    assert routed.items["routing indices (train)"] == row_tokens * 48 * 8 * 4
+    assert routed.items["routing indices (engine)"] == engine_tokens * 48 * 8 * 4
+    assert routed.phases["train"] - plain.phases["train"] == row_tokens * 48 * 8 * 4
+    assert routed.phases["generate"] - plain.phases["generate"] == engine_tokens * 48 * 8 * 4
+    assert "routing indices (train)" not in plain.items
+
+
 def test_cpu_host_costs_count_only_on_cpu():
     """On CPU each host adds its process baseline (split over its devices) to every phase, and a
     bf16 run the fp32 copy of the embedding to generate and train; accelerators add neither."""

@@ -49,6 +49,10 @@ UPSTREAM_TESTS = {
         "maxtext/configs/post_train/rl.yml": ["tests/unit/configs_test.py"],
         "maxtext/configs/pyconfig.py": ["tests/unit/pyconfig_test.py"],
         "maxtext/trainers/post_train/rl/train_rl.py": ["tests/post_training/unit/train_rl_test.py"],
+        "maxtext/layers/moe.py": ["tests/unit/moe_test.py"],
+        "maxtext/layers/nnx_decoders.py": ["tests/unit/moe_test.py"],
+        "maxtext/models/qwen3.py": ["tests/unit/moe_test.py"],
+        "maxtext/models/gpt_oss.py": ["tests/unit/moe_test.py"],
         **{f"maxtext/trainers/post_train/rl/scripts/run_{name}_rl.sh": []
            for name in ("gemma4_26b", "gemma4_e4b", "gptoss_20b", "qwen3_30b")},
     },

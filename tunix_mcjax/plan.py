@@ -336,7 +336,24 @@ def engine_items(cfg: Config, cluster: Cluster, m: ModelShape
     return shape, paged_engine_items(cfg, shape, m)
 
 
-def plan(cfg: Config, cluster: Cluster, mc) -> Plan:
+ROUTING_INDEX_BYTES = 4  # int32
+
+
+def routing_items(shape: PagedShape, train_tokens: int, routing: tuple[int, int] | None
+                  ) -> dict[str, int]:
+    """Per device, the top-k expert indices router replay records (int32 [tokens, MoE layers,
+    k]): the engine's for its prompts and completions at the caps, the train batch's for its
+    rows; none without `routing` (MoE layers, k)."""
+    if routing is None:
+        return {}
+    per_token = routing[0] * routing[1] * ROUTING_INDEX_BYTES
+    engine = shape.num_prompts * shape.prompt_len + shape.num_requests * shape.max_new
+    return {"routing indices (engine)": engine * per_token,
+            "routing indices (train)": train_tokens * per_token}
+
+
+def plan(cfg: Config, cluster: Cluster, mc, routing: tuple[int, int] | None = None) -> Plan:
+    """What fits where; `routing`: (MoE layers, top-k) when moe_router_replay records them."""
     m = model_shape(mc, cluster.num_devices)
     layout = train_layout(cfg, cluster, m)
     w, c = DTYPE_BYTES[cfg.weight_dtype], DTYPE_BYTES[cfg.dtype]
@@ -361,6 +378,7 @@ def plan(cfg: Config, cluster: Cluster, mc) -> Plan:
         "logits": logits_bytes(m, tokens, cfg.train_logits_chunk_tokens),
         **engine_bytes,
         **cpu_host_items(cfg, cluster, m),
+        **routing_items(engine, layout.rows_per_device * row_len, routing),
     }
     # The page pool is made for each rollout and given back before the train step
     # (free_kv_cache_during_weight_sync), or made once and kept: then it is in every phase.
@@ -373,8 +391,9 @@ def plan(cfg: Config, cluster: Cluster, mc) -> Plan:
     publish = m.param_count * w if cfg.rl_publish_weights_single_call else m.largest_leaf * w
     phases = {
         "generate": state + pool - kept + generate_scratch(engine_bytes)
-        + items["bf16 matmul fp32 copy"],
-        "train": state + sum(items[k] for k in train_keys),
+        + items["bf16 matmul fp32 copy"] + items.get("routing indices (engine)", 0),
+        "train": state + sum(items[k] for k in train_keys)
+        + items.get("routing indices (train)", 0),
         "publish": state + publish,
     }
     whole = layout.rows_per_device * row_len

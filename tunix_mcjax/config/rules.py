@@ -136,6 +136,14 @@ def _rollout_correction(cfg: Keys) -> None:
             f"{', '.join(on)} with num_iterations={cfg.num_iterations}: the corrections take "
             "the ratio against the trainer's logprobs before the first update, which later "
             "updates of the batch do not keep; set num_iterations=1 or turn them off")
+    if cfg.moe_router_replay and cfg.rollout_engine != "maxtext":
+        raise ConfigError(f"moe_router_replay=true replays the maxtext engine's MoE routing; "
+                          f"rollout_engine={cfg.rollout_engine} records none: use "
+                          "rollout_engine=maxtext (a MaxText MoE family), or drop it")
+    if cfg.moe_router_replay and cfg.use_agentic_rollout:
+        raise ConfigError("moe_router_replay=true with use_agentic_rollout=true: tool and "
+                          "environment tokens never run through the engine, so they have no "
+                          "routing to replay; drop one of them")
     for switch, bounds in (("sampler_is", ("sampler_is_threshold",)),
                            ("rollout_rs", ("rollout_rs_threshold", "rollout_rs_threshold_lower"))):
         if getattr(cfg, switch) == "none" and (keys := changed(cfg, bounds)):

@@ -252,6 +252,12 @@ class RolloutCorrection:
         check=Check(lambda v: v == -1 or 0 <= v < 1, "in [0, 1) or -1",
                     "in [0, 1) (the lower bound of the ratio), or -1 for "
                     "1 / rollout_rs_threshold"))
+    moe_router_replay: bool = key(
+        False, "Router replay (MaxText's MoE families, rollout_engine=maxtext): the engine "
+        "records the top-k experts of every prompt and completion token per MoE layer, and "
+        "the trainer's forward routes those tokens with them instead of its own top-k "
+        "(patches/maxtext/0004). Refused for a dense model, the jax and vllm engines and "
+        "agentic rollouts.")
 
 
 @section

@@ -32,6 +32,9 @@ class Completion:
     tokens: np.ndarray  # int32 [n]
     logprobs: np.ndarray  # float32 [n], log p(token) under the sampling distribution's logits
     finish_reason: FinishReason
+    # int32 [prompt + n, MoE layers, k]: the experts each prompt and completion token went to,
+    # -1 where none ran (the last completion token); None unless the engine records routing.
+    routing: np.ndarray | None = None
 
 
 class Engine(abc.ABC):

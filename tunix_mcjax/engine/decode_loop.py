@@ -68,17 +68,21 @@ def initial_state(shape: ProgramShape, inp: Inputs, pool: Any, vocab: int) -> Lo
     real = inp.request_prompts >= 0
     left = add_where(jnp.zeros((u,), jnp.int32), inp.request_prompts, 1, real)
     zeros_u, zeros_b, zero = jnp.zeros((u,), jnp.int32), jnp.zeros((b,), jnp.int32), jnp.int32(0)
+
+    def unrouted(*lead: int) -> jax.Array | None:
+        return None if shape.routing is None else jnp.full((*lead, *shape.routing), -1, jnp.int32)
+
     prompts = Prompts(
         tables=jnp.full((u, shape.prompt_pages), -1, jnp.int32), status=zeros_u,
         next_chunk=zeros_u, rows=zeros_u, left=left, readers=zeros_u,
-        logits=jnp.zeros((u, vocab), jnp.float32))
+        logits=jnp.zeros((u, vocab), jnp.float32), routing=unrouted(u, shape.prompt_len))
     rows = Rows(active=jnp.zeros((b,), bool), request=zeros_b, cursor=zeros_b, token=zeros_b,
                 tables=jnp.full((b, shape.table_pages), -1, jnp.int32), order=zeros_b,
                 admissions=zero)
     requests = Requests(running=jnp.zeros((n,), bool), done=~real,
                         tokens=jnp.zeros((n, shape.max_new), jnp.int32),
                         logprobs=jnp.zeros((n, shape.max_new), jnp.float32),
-                        lengths=jnp.zeros((n,), jnp.int32))
+                        lengths=jnp.zeros((n,), jnp.int32), routing=unrouted(n, shape.max_new))
     stats = Stats(iterations=zero, prefill_steps=zero, preemptions=zero, shared_pages=zero,
                   peak_pages=zero, packed_steps=zero, stalled=jnp.bool_(False))
     return LoopState(pool=pool, free=pg.full_stack(shape.num_pages), prompts=prompts, rows=rows,
@@ -121,9 +125,14 @@ def unfinished(state: LoopState) -> jax.Array:
     return ~state.stats.stalled & ~jnp.all(state.requests.done)
 
 
-def outputs_of(state: LoopState) -> Outputs:
+def outputs_of(state: LoopState, inp: Inputs) -> Outputs:
     stats, requests = state.stats, state.requests
-    return Outputs(
+    routed = {}
+    if requests.routing is not None:
+        prompt = jnp.maximum(inp.request_prompts, 0)
+        routed = dict(prompt_lens=inp.prompt_lens[prompt],
+                      prompt_routing=state.prompts.routing[prompt], routing=requests.routing)
+    return Outputs(**routed,
         tokens=requests.tokens, logprobs=requests.logprobs, lengths=requests.lengths,
         iterations=stats.iterations, prefill_steps=stats.prefill_steps,
         preemptions=stats.preemptions, shared_pages=stats.shared_pages,
@@ -156,6 +165,6 @@ def build_program(
             keep_going,
             lambda s: jax.lax.cond(unfinished(s), lambda s: iteration(runner, s), lambda s: s, s),
             initial_state(shape, inp, pool, vocab))
-        return outputs_of(state), state.pool
+        return outputs_of(state, inp), state.pool
 
     return program

@@ -434,7 +434,8 @@ class JaxEngine(Engine):
             num_prompts=u, prompt_len=prompt_bucket, max_new=new_bucket,
             page_size=self.options.page_size, num_pages=self.num_pages, chunk=chunk,
             prefill_rows=max(1, min(u, rows)), group_size=pow2_at_least(group),
-            pack_decode_rows=self.pack_decode_rows)
+            pack_decode_rows=self.pack_decode_rows,
+            routing=getattr(self._replica_model(0), "routing_shape", None))
 
     @staticmethod
     def _pad_inputs(h: dict[str, Any], shape: ProgramShape) -> dict[str, Any]:
@@ -527,6 +528,7 @@ class JaxEngine(Engine):
                     logprobs=out.logprobs[replica, row, :n].copy(),
                     finish_reason=stop_reason(int(seq[-1]), self.options.eos_ids, sampling)
                     or "length",
+                    routing=routing_of(out, replica, row, n),
                 )
         return results  # type: ignore[return-value]
 
@@ -539,3 +541,12 @@ class JaxEngine(Engine):
         eos = [] if sampling.ignore_eos else list(self.options.eos_ids)
         return list(dict.fromkeys([*sampling.stop_token_ids, *eos]))
 
+
+def routing_of(out: Any, replica: int, row: int, n: int) -> np.ndarray | None:
+    """A request's recorded experts, its prompt tokens' then its `n` completion tokens'
+    (`Completion.routing`); None when the program recorded none."""
+    if out.routing is None:
+        return None
+    prompt_len = int(out.prompt_lens[replica, row])
+    return np.concatenate([out.prompt_routing[replica, row, :prompt_len],
+                           out.routing[replica, row, :n]])

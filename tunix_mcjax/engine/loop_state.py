@@ -46,6 +46,9 @@ class ProgramShape:
     prefill_rows: int  # prefill rows per iteration
     group_size: int  # most requests of one prompt (a GRPO group); 1: no prompt is shared
     pack_decode_rows: bool = True  # decode only the live rows, packed (`decode_row_sizes`)
+    # (MoE layers, top-k) when the model reports each token's experts (`DecodeModel`); None:
+    # no routing is recorded.
+    routing: tuple[int, int] | None = None
 
     @property
     def row_sizes(self) -> tuple[int, ...]:
@@ -90,6 +93,12 @@ class Outputs:
     peak_pages: jax.Array  # int32: most pages in use at once
     packed_steps: jax.Array  # int32: decode steps run at fewer rows than the slots
     stalled: jax.Array  # bool: the loop ended with requests left (the pool cannot hold one)
+    # With `ProgramShape.routing` (else None): each request's prompt length and the experts
+    # its prompt tokens and its completion tokens went to, int32 [N, T, layers, k], -1 where
+    # none ran (a completion's last token never runs through the model).
+    prompt_lens: jax.Array | None = None
+    prompt_routing: jax.Array | None = None
+    routing: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +112,7 @@ class Prompts:
     left: jax.Array  # int32 [U]: its requests not finished
     readers: jax.Array  # int32 [U]: rows admitted on its pages since its prefill
     logits: jax.Array  # float32 [U, V]: logits after the prompt's last token
+    routing: jax.Array | None = None  # int32 [U, prompt_len, layers, k] (`Outputs`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,6 +137,7 @@ class Requests:
     tokens: jax.Array  # int32 [N, max_new]
     logprobs: jax.Array  # float32 [N, max_new]
     lengths: jax.Array  # int32 [N]
+    routing: jax.Array | None = None  # int32 [N, max_new, layers, k] (`Outputs`)
 
     @property
     def waiting(self) -> jax.Array:
@@ -173,7 +184,8 @@ class DecodeModel(Protocol):
 
     def forward(self, params: Any, pool: Any, rows: PagedRows) -> tuple[jax.Array, Any]:
         """`rows` through the model -> (fp32 logits [R, V] at `rows.logit_cols`, the pool with
-        the rows' keys/values written)."""
+        the rows' keys/values written); a model built to report routing adds each row token's
+        experts, int32 [R, C, layers, k] (the program's `ProgramShape.routing`)."""
 
     def copy_page(self, pool: Any, source: jax.Array, target: jax.Array) -> Any:
         """The pool with pages `target` holding pages `source`'s contents, in every layer

@@ -50,12 +50,13 @@ class MaxTextEngine(JaxEngine):
 
     def __init__(self, model_config: Any, devices: Sequence[jax.Device],
                  options: EngineOptions | None = None, *, weight_dtype: str | None = None,
-                 **fields: Any):
+                 record_routing: bool = False, **fields: Any):
         options = options_of(options, fields)
         if options.lockstep:
             raise ValueError("the maxtext engine runs per host (rl_runtime=mcjax); lockstep "
                              "decoding (rl_runtime=single) is the jax engine's")
         self.weight_dtype = weight_dtype or None
+        self.record_routing = record_routing  # Completion.routing (patches/maxtext/0004)
         self.unstack = False  # set by _param_specs, once the replica meshes exist
         self.plan = None  # scan_plan of the trainer's tree, set by _param_specs
         self._models: dict[int, MaxTextPagedModel] = {}
@@ -124,7 +125,8 @@ class MaxTextEngine(JaxEngine):
         if key not in self._models:
             layout = layout_for(mesh.devices.flat[0].platform, mesh.devices.size)
             self._models[key] = MaxTextPagedModel(self._config(), mesh, layout,
-                                                  expert_minor_keys=self._minor_keys)
+                                                  expert_minor_keys=self._minor_keys,
+                                                  record_routing=self.record_routing)
         return self._models[key]
 
     def _page_bytes(self, tp: int) -> int:

@@ -359,6 +359,31 @@ def expert_major(params: dict, paths: set[tuple]) -> dict:
     return view(params, ())
 
 
+def routed_moes(model: nnx.Module) -> list[nnx.Module]:
+    """MaxText's routed MoE modules of an unscanned model, in decoder layer order."""
+    from maxtext.layers.moe import RoutedMoE
+
+    found = [(_layer_index(path), node) for path, node in nnx.iter_graph(model)
+             if isinstance(node, RoutedMoE)]
+    return [node for _, node in sorted(found, key=lambda item: item[0])]
+
+
+def check_replay_patch() -> None:
+    """Refuses to record routing on a MaxText without patches/maxtext/0004."""
+    from maxtext.layers.moe import RoutedMoE
+
+    if not hasattr(RoutedMoE, "record_routed_experts"):
+        raise ValueError("moe_router_replay needs MaxText's MoE layer to report its routing "
+                         "(patches/maxtext/0004); fix: python -m tunix_mcjax.patches apply "
+                         "maxtext")
+
+
+def recorded_routing(moes: list[nnx.Module]) -> jax.Array:
+    """The experts each MoE module sowed in the call just run (patches/maxtext/0004), int32
+    [R, C, layers, k]."""
+    return jnp.stack([moe.routed_experts.get_value()[0] for moe in moes], axis=2)
+
+
 class MaxTextPagedModel:
     """MaxText's model as the paged loop's `DecodeModel`: its training forward (MODEL_MODE_TRAIN,
     no cache variables, MaxText's own projections, norms, RoPE, MoE and output head), unscanned,
@@ -366,11 +391,12 @@ class MaxTextPagedModel:
     pool is a list over KV slots (one per layer, KV-shared layers read their donor's), each in
     its layout (`slot_layouts` of `layout`; `layouts`, {slot: layout}, sets them instead), with
     that layer's kv heads and head dim (Gemma4's global layers differ); kv heads split over
-    "tensor" where they divide."""
+    "tensor" where they divide. With `record_routing`, each call also returns the experts every
+    token went to (`routing_shape`: MoE layers, top-k)."""
 
     def __init__(self, config: Any, mesh: Mesh, layout: Any, *,
                  expert_minor_keys: set[tuple] = frozenset(),
-                 layouts: dict[int, Any] | None = None):
+                 layouts: dict[int, Any] | None = None, record_routing: bool = False):
         from maxtext.common.common_types import MODEL_MODE_TRAIN
 
         if config.scan_layers:
@@ -392,6 +418,13 @@ class MaxTextPagedModel:
             raise ValueError(f"layouts must name every KV slot {sorted(self.slot_shapes)}, "
                              f"not {sorted(self.layouts)}")
         self.dtype = jnp.dtype(config.dtype)
+        self.routing_shape = None
+        if record_routing:
+            check_replay_patch()
+            self.routing_shape = (len(routed_moes(model)), int(config.num_experts_per_tok))
+            if not self.routing_shape[0]:
+                raise ValueError(f"{config.model_name} has no routed MoE layers: there is no "
+                                 "routing to record (moe_router_replay needs an MoE family)")
 
     def page_bytes(self, page_size: int, tp: int) -> int:
         """Bytes of one page over every slot, per device (kv heads split over `tp` where they
@@ -442,10 +475,14 @@ class MaxTextPagedModel:
         # Only each row's logit column goes through the output head: [R, V], not [R, C, V].
         decoder = model.decoder
         decoder.apply_output_head = _AtColumns(decoder.apply_output_head, rows.logit_cols)
+        moes = routed_moes(model) if self.routing_shape else []
+        for moe in moes:
+            moe.record_routed_experts = True
         with nn_partitioning.axis_rules(self.rules):
             logits = model(rows.tokens, rows.positions, decoder_segment_ids=None,
                            model_mode=self.mode, enable_dropout=False)
-        return logits[:, 0].astype(jnp.float32), self._shard(call.pool)
+        out = logits[:, 0].astype(jnp.float32), self._shard(call.pool)
+        return (*out, recorded_routing(moes)) if moes else out
 
     def copy_page(self, pool: list[Any], source: jax.Array, target: jax.Array) -> list[Any]:
         return [self.layouts[slot].copy_page(layer, source, target)

@@ -21,6 +21,7 @@ from tunix_mcjax.engine.loop_state import (
     Inputs,
     LoopState,
     ProgramShape,
+    Prompts,
     replace,
 )
 from tunix_mcjax.engine.paged_attention import SharedPrefix
@@ -48,11 +49,11 @@ class ModelRunner:
         shape, inp = self.shape, self.inp
 
         def run(state: LoopState) -> LoopState:
-            logits, pool = self.model.forward(self.params, state.pool,
-                                              prefill_batch(shape, inp, state, chunks))
+            logits, pool, routing = self.forward(state.pool,
+                                                 prefill_batch(shape, inp, state, chunks))
             prompt, valid = chunks.prompt, chunks.valid
             length, start = inp.prompt_lens[prompt], chunks.chunk * shape.chunk
-            prompts = state.prompts
+            prompts = record_prompt_routing(state.prompts, chunks, start, length, routing)
             next_chunk = add_where(prompts.next_chunk, prompt, 1, valid)
             num_chunks = (inp.prompt_lens + shape.chunk - 1) // shape.chunk
             finished = (prompts.status == PREFILLING) & (next_chunk >= num_chunks)
@@ -100,10 +101,15 @@ class ModelRunner:
         paged = decode_batch(shape, inp, state, scheduled)
         request, index = rows.request, rows.cursor + 1
         known = index < state.requests.lengths[request]
-        tokens, logprobs, pool, packed = self.decode_rows(state.pool, paged, request, index)
+        tokens, logprobs, pool, packed, routing = self.decode_rows(state.pool, paged, request,
+                                                                   index)
         stats = replace(state.stats, packed_steps=state.stats.packed_steps + packed)
         state = record(replace(state, pool=pool, stats=stats), request, index, tokens, logprobs,
                        rows.active & ~known)
+        if routing is not None:  # the experts of each row's input token, completion token
+            requests = state.requests  # `cursor` (a recomputed one's again)
+            state = replace(state, requests=replace(requests, routing=set_where(
+                requests.routing, request, routing[:, 0], rows.active, column=rows.cursor)))
         next_token = jnp.where(
             known, state.requests.tokens[request, jnp.minimum(index, shape.max_new - 1)], tokens)
         finished = rows.active & ~known & ends(inp, tokens, index + 1)
@@ -112,27 +118,31 @@ class ModelRunner:
         return vacate_rows(shape, inp, state, finished, finished)
 
     def decode_rows(self, pool: Any, rows: PagedRows, requests: jax.Array, index: jax.Array
-                    ) -> tuple[jax.Array, jax.Array, Any, jax.Array]:
+                    ) -> tuple[jax.Array, jax.Array, Any, jax.Array, jax.Array | None]:
         """The model and the sampler over the live rows (q_lens > 0) only, packed in row order
         into the fewest of `shape.row_sizes` that hold them, so a step costs what its live rows
         cost, not what the slots would (a long tail of a few long completions runs at a few
-        rows). Returns (tokens [B], logprobs [B], pool, 1 if packed below B else 0); the caller
-        reads the live rows' only (a packed step gives the others token 0)."""
+        rows). Returns (tokens [B], logprobs [B], pool, 1 if packed below B else 0, routing
+        [B, 1, layers, k] or None); the caller reads the live rows' only (a packed step gives
+        the others token 0)."""
         num_slots, live = self.shape.num_slots, rows.q_lens > 0
 
         def every_slot(pool):  # the rows as they stand: nothing to pick or put back
-            logits, pool = self.model.forward(self.params, pool, rows)
+            logits, pool, routing = self.forward(pool, rows)
             tokens, logprobs = self.draw(logits, requests, index)
-            return tokens, logprobs, pool, jnp.int32(0)
+            return tokens, logprobs, pool, jnp.int32(0), routing
 
         def packed(size: int):
             def run(pool):  # the live rows first, in row order: each keeps its request and key
                 pick = jnp.argsort(~live, stable=True)[:size]
-                logits, pool = self.model.forward(self.params, pool, pick_rows(rows, pick))
+                logits, pool, routing = self.forward(pool, pick_rows(rows, pick))
                 tokens, logprobs = self.draw(logits, requests[pick], index[pick])
+                if routing is not None:
+                    routing = jnp.full((num_slots, *routing.shape[1:]), -1,
+                                       routing.dtype).at[pick].set(routing)
                 return (jnp.zeros((num_slots,), tokens.dtype).at[pick].set(tokens),
                         jnp.zeros((num_slots,), logprobs.dtype).at[pick].set(logprobs), pool,
-                        jnp.int32(1))
+                        jnp.int32(1), routing)
             return run
 
         sizes = self.shape.row_sizes
@@ -140,6 +150,11 @@ class ModelRunner:
             return every_slot(pool)
         which = jnp.sum(jnp.asarray(sizes[:-1]) < jnp.sum(live))
         return jax.lax.switch(which, [*map(packed, sizes[:-1]), every_slot], pool)
+
+    def forward(self, pool: Any, rows: PagedRows) -> tuple[jax.Array, Any, jax.Array | None]:
+        """The model on `rows`: (logits, pool, routing [R, C, layers, k] or None)."""
+        out = self.model.forward(self.params, pool, rows)
+        return out if self.shape.routing is not None else (*out, None)
 
     def draw(self, logits: jax.Array, requests: jax.Array,
              token_index: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -153,6 +168,19 @@ class ModelRunner:
 
         keys = jax.vmap(key_for)(requests, token_index)
         return sample(self.spec, logits, keys, inp.temperature, inp.top_p, self.masked_id)
+
+
+def record_prompt_routing(prompts: Prompts, chunks: PrefillChunks, start: jax.Array,
+                          length: jax.Array, routing: jax.Array | None) -> Prompts:
+    """`prompts` with the experts of each valid chunk's real tokens recorded (no routing:
+    unchanged)."""
+    if routing is None:
+        return prompts
+    positions = start[:, None] + jnp.arange(routing.shape[1])[None, :]
+    real = chunks.valid[:, None] & (positions < length[:, None])
+    index = jnp.broadcast_to(chunks.prompt[:, None], positions.shape)
+    return replace(prompts, routing=set_where(prompts.routing, index, routing, real,
+                                              column=positions))
 
 
 def prefill_batch(shape: ProgramShape, inp: Inputs, state: LoopState,

@@ -102,6 +102,7 @@ def checked_config(argv: Sequence[str], kwargs: dict,
     not_applied = config_map.check_keys(changed, engine)
     config_map.check_agentic(changed, agentic)
     config_map.check_model(config, engine)
+    config_map.check_router_replay(config, corrections)
     tokenizer_path = resolve_tokenizer_path(config.tokenizer_path)
     return config, config_map.to_config(config, num_hosts, tokenizer_path, changed,
                                         engine, agentic, corrections), not_applied

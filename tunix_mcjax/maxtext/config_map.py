@@ -305,7 +305,15 @@ def pop_agentic_keys(argv: Sequence[str], kwargs: dict
 # Our rollout-trainer corrections, which MaxText has no keys for (docs/mismatch.md), given on
 # train_rl's command line under our names and read by this adapter.
 CORRECTION_ADAPTER_KEYS = ("sampler_is", "sampler_is_threshold", "rollout_rs",
-                           "rollout_rs_threshold", "rollout_rs_threshold_lower")
+                           "rollout_rs_threshold", "rollout_rs_threshold_lower",
+                           "moe_router_replay")
+
+
+def check_router_replay(config: Any, corrections: dict[str, Any]) -> None:
+    """Raises ConfigError for moe_router_replay on a model without routed experts."""
+    if corrections.get("moe_router_replay") and int(config.num_experts) <= 1:
+        raise ConfigError(f"moe_router_replay=true, but model_name={config.model_name} is "
+                          "dense (num_experts=1): there is no routing to replay; drop it")
 
 
 def pop_correction_keys(argv: Sequence[str], kwargs: dict

@@ -80,10 +80,12 @@ def drop_rng_state(model: nnx.Module) -> None:
 
 
 def forward(model: nnx.Module, tokens: jax.Array, positions: jax.Array,
-            segment_ids: jax.Array, *, rules: Any) -> jax.Array:
-    """fp32 logits of MaxText's Tunix adapter on packed rows (segment 0 is padding)."""
+            segment_ids: jax.Array, *, rules: Any, routing: jax.Array | None = None) -> jax.Array:
+    """fp32 logits of MaxText's Tunix adapter on packed rows (segment 0 is padding); with
+    `routing` (int32 [B, T, MoE layers, k], the engine's) each MoE layer routes with it."""
     with nn_partitioning.axis_rules(rules):
-        logits, _ = model(tokens, positions, None, None, segment_ids=segment_ids)
+        logits, _ = model(tokens, positions, None, None, segment_ids=segment_ids,
+                          forced_routed_experts=routing)
     return logits.astype(jnp.float32)
 
 

@@ -49,7 +49,8 @@ def maxtext_engine(cfg: Config, model_config, devices, pad_id: int,
             "adapter (rl_runtime=mcjax on MaxText's train_rl); this run's model is Tunix Qwen3: "
             "use rollout_engine=jax")
     return MaxTextEngine(model_config, devices, engine_options(cfg, pad_id, eos_ids),
-                         weight_dtype=cfg.rollout_weight_dtype or None)
+                         weight_dtype=cfg.rollout_weight_dtype or None,
+                         record_routing=cfg.moe_router_replay)
 
 
 def vllm_engine(cfg: Config, model_config, devices, pad_id: int,

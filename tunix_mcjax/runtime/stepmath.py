@@ -27,7 +27,7 @@ def sequences(prompts: Sequence[np.ndarray], completions: Sequence[Completion],
     engine's logprobs of the sampled tokens: the old policy of the importance ratio); `masks`:
     each completion's model mask (agentic trajectories), None: every token is the model's."""
     masks = masks if masks is not None else [None] * len(completions)
-    return [packing.Sequence(p, c.tokens, float(a), c.logprobs, m)
+    return [packing.Sequence(p, c.tokens, float(a), c.logprobs, m, c.routing)
             for p, c, a, m in zip(prompts, completions, advantages, masks, strict=True)]
 
 
@@ -48,6 +48,8 @@ def local_batch(rows: packing.Rows, rows_per_device: int, num_local_devices: int
     weighted sum is Tunix's loss aggregate over the global batch."""
     rows = packing.pad_rows(rows, rows_per_device * num_local_devices, pad_id)
     local = {f: getattr(rows, f) for f in ROW_FIELDS}
+    if rows.routing is not None:  # the engine's experts, for the trainer to replay
+        local["routing"] = rows.routing
     local["weights"] = loss_weights(rows, loss_agg_mode, global_sequences,
                                     global_tokens).astype(np.float32)
     return local

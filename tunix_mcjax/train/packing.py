@@ -23,6 +23,9 @@ class Sequence:
     # float32 [b]: 1 where the model sampled the token, 0 for tool/environment tokens (agentic
     # rollouts); None: every completion token is the model's.
     completion_mask: np.ndarray | None = None
+    # int32 [a + b, MoE layers, k]: the experts the engine routed each token to (-1: none ran),
+    # which the trainer's forward replays (`moe_router_replay`); None: not recorded.
+    routing: np.ndarray | None = None
 
     def model_mask(self) -> np.ndarray:
         """1.0 per completion token the loss counts."""
@@ -46,6 +49,7 @@ class Rows:
     advantages: np.ndarray
     old_logps: np.ndarray
     seq_weight: np.ndarray  # 1/b for the sequence's completion tokens (sequence-mean mode)
+    routing: np.ndarray | None = None  # int32 [rows, row_len, MoE layers, k]; -1: no expert
 
     @property
     def num_rows(self) -> int:
@@ -83,6 +87,7 @@ def pack(seqs: list[Sequence], row_len: int, pad_id: int) -> Rows:
         advantages=np.zeros(shape, np.float32),
         old_logps=np.zeros(shape, np.float32),
         seq_weight=np.zeros(shape, np.float32),
+        routing=routing_rows(seqs, shape),
     )
     for r, members in enumerate(bins):
         offset = 0
@@ -102,8 +107,26 @@ def pack(seqs: list[Sequence], row_len: int, pad_id: int) -> Rows:
             out.advantages[r, pred] = s.advantage
             out.old_logps[r, pred] = s.behaviour_logprobs * mask
             out.seq_weight[r, pred] = mask / max(mask.sum(), 1.0)
+            if out.routing is not None:
+                out.routing[r, span] = s.routing
             offset += n
     return out
+
+
+def routing_rows(seqs: list[Sequence], shape: tuple[int, int]) -> np.ndarray | None:
+    """Unrouted (-1) routing rows for `seqs`, or None when none carries routing; refuses a mix
+    or a sequence whose routing does not cover its tokens."""
+    routed = [s.routing for s in seqs if s.routing is not None]
+    if not routed:
+        return None
+    if len(routed) != len(seqs):
+        raise ValueError(f"{len(routed)} of {len(seqs)} sequences carry routing: the trainer "
+                         "replays all or none")
+    for s in seqs:
+        if len(s.routing) != len(s.prompt) + len(s.completion):
+            raise ValueError(f"routing covers {len(s.routing)} tokens of a "
+                             f"{len(s.prompt) + len(s.completion)}-token sequence")
+    return np.full((*shape, *routed[0].shape[1:]), -1, np.int32)
 
 
 def rows_per_device(local_rows: list[int], local_devices: int) -> int:
@@ -122,8 +145,10 @@ def pad_rows(rows: Rows, num_rows: int, pad_id: int) -> Rows:
     if extra < 0:
         raise ValueError(f"cannot pad {rows.num_rows} rows down to {num_rows}")
 
-    def grow(name: str, x: np.ndarray) -> np.ndarray:
-        fill = pad_id if name in ("tokens", "targets") else 0
-        return np.concatenate([x, np.full((extra, x.shape[1]), fill, x.dtype)])
+    def grow(name: str, x: np.ndarray | None) -> np.ndarray | None:
+        if x is None:
+            return None
+        fill = pad_id if name in ("tokens", "targets") else -1 if name == "routing" else 0
+        return np.concatenate([x, np.full((extra, *x.shape[1:]), fill, x.dtype)])
 
     return Rows(**{f.name: grow(f.name, getattr(rows, f.name)) for f in dataclasses.fields(Rows)})

@@ -58,6 +58,9 @@ __all__ = ["BATCH_KEYS", "Policy", "Trainer", "grpo_token_terms", "loss_weights"
 
 BATCH_KEYS = ("tokens", "positions", "segment_ids", "targets", "loss_mask", "advantages",
               "old_logps", "weights")
+# With moe_router_replay: int32 [rows, T, MoE layers, k], the engine's experts per token, which
+# the forward (keyword `routing`) routes with.
+ROUTING_KEY = "routing"
 
 # (model, tokens [B,T], positions [B,T], segment_ids [B,T]) -> logits [B,T,V] (fp32)
 ForwardFn = Callable[[nnx.Module, jax.Array, jax.Array, jax.Array], jax.Array]
@@ -270,7 +273,9 @@ class Trainer:
         args = (batch["tokens"], batch["positions"], batch["segment_ids"])
         temperature = cfg.decode_sampling_temperature
         if policy.hidden is None:
-            return token_logps(policy.forward(model, *args), batch["targets"], temperature)
+            routed = {"routing": batch[ROUTING_KEY]} if ROUTING_KEY in batch else {}
+            return token_logps(policy.forward(model, *args, **routed), batch["targets"],
+                               temperature)
         return chunked_token_logps(
             policy.hidden(model, *args, remat=cfg.remat_policy == "full"), batch["targets"],
             functools.partial(policy.unembed, model), temperature,
@@ -394,7 +399,7 @@ class Trainer:
         local_devices = self.mesh.local_mesh.devices.size
         n, per = self.micro_batch_layout(local["tokens"].shape[0])
         out = {}
-        for key in BATCH_KEYS:
+        for key in (*BATCH_KEYS, *([ROUTING_KEY] if ROUTING_KEY in local else [])):
             x = local[key]
             x = x.reshape(local_devices, -1, *x.shape[1:])
             if n * per > x.shape[1]:
