@@ -15,6 +15,7 @@ import numpy as np
 import optax
 from flax import nnx
 from jax.experimental import multihost_utils
+from jax.sharding import AxisType, Mesh
 
 from tests.workers.common import start
 from tunix_mcjax import models, topology
@@ -42,7 +43,12 @@ CASES = {
                        decode_sampling_temperature=0.7),
     "gspo-seq-b01": dict(loss_algo="gspo-token", loss_agg_mode="sequence-mean-token-mean",
                          grpo_beta=0.1, decode_sampling_temperature=1.0),
+    # As tok-b01-t07, on a mesh that interleaves the hosts along fsdp, as MaxText's TPU meshes
+    # do (INTERLEAVED).
+    "tok-b01-t07-interleaved": dict(loss_agg_mode="token-mean", grpo_beta=0.1,
+                                    decode_sampling_temperature=0.7),
 }
+INTERLEAVED = {"tok-b01-t07-interleaved"}
 
 
 def fixed_batch(num_prompts: int, g: int, seed: int = 7):
@@ -74,12 +80,21 @@ def flat(tree) -> dict[str, np.ndarray]:
     }
 
 
+def interleaved_mesh(topo) -> Mesh:
+    """The trainer's mesh with the hosts' devices alternating along fsdp (h0 d0, h1 d0, ...)."""
+    hosts = [[d for d in topo.global_devices if d.process_index == h]
+             for h in range(topo.num_hosts)]
+    order = [host[i] for i in range(len(topo.local_devices)) for host in hosts]
+    return Mesh(np.array(order).reshape(-1, 1), ("fsdp", "tp"),
+                axis_types=(AxisType.Auto, AxisType.Auto))
+
+
 def one_case(base_cfg, topo, name: str, out: dict) -> None:
     cfg = base_cfg.replace(**CASES[name])
     g, p = cfg.num_generations, cfg.batch_size
     prompts, completions, rewards = fixed_batch(p, g)
     adv = group_advantages(rewards, g)
-    mesh = topology.trainer_mesh(topo)
+    mesh = interleaved_mesh(topo) if name in INTERLEAVED else topology.trainer_mesh(topo)
     model = models.create_model(models.model_config(cfg, VOCAB), cfg.init_weights_seed, mesh)
     policy, params = qwen3_policy(model)
     initial = flat(params)

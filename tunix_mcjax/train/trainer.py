@@ -221,8 +221,8 @@ class Trainer:
 
     def device_memory_bytes(self) -> int:
         """One device's memory, which decides gather-once under `fsdp_gather_params_once=auto`."""
-        local = self.mesh.local_mesh.devices
-        return memory.device_memory_bytes(local.flat[0], local.size)
+        local = self.mesh.local_devices
+        return memory.device_memory_bytes(local[0], len(local))
 
     def _make_state(self, fn: Callable, shardings: Any, *args: Any) -> Any:
         """`fn(*args)`: state the trainer builds, laid out as `shardings` (an abstract trainer,
@@ -385,7 +385,7 @@ class Trainer:
 
     def micro_batch_layout(self, local_rows: int) -> tuple[int, int]:
         """(micro-batches, rows per device in each) for this host's `local_rows` packed rows."""
-        local_devices = self.mesh.local_mesh.devices.size
+        local_devices = len(self.mesh.local_devices)
         if local_rows % local_devices:
             raise ValueError(f"{local_rows} local rows do not divide over {local_devices} local "
                              "devices; pad them to K rows per device (packing.pad_rows)")
@@ -394,21 +394,22 @@ class Trainer:
     def global_batch(self, local: dict[str, np.ndarray]) -> dict[str, jax.Array]:
         """Global arrays [micro-batches, rows, T], rows sharded over fsdp, from every host's
         equally sized local rows. Device d's K rows are split into consecutive micro-batches
-        (empty rows pad K to a multiple), so each micro-batch has the same rows on every device."""
-        n_hosts = jax.process_count()
-        local_devices = self.mesh.local_mesh.devices.size
+        (empty rows pad K to a multiple), so each micro-batch has the same rows on every device.
+        A host's rows go to its devices wherever they sit along fsdp: MaxText's TPU meshes
+        interleave hosts (rows are independent, and every sum of the step is global)."""
+        devices = self.mesh.local_devices
         n, per = self.micro_batch_layout(local["tokens"].shape[0])
         out = {}
         for key in (*BATCH_KEYS, *([ROUTING_KEY] if ROUTING_KEY in local else [])):
             x = local[key]
-            x = x.reshape(local_devices, -1, *x.shape[1:])
+            x = x.reshape(len(devices), -1, *x.shape[1:])
             if n * per > x.shape[1]:
-                x = np.concatenate([x, np.zeros((local_devices, n * per - x.shape[1],
+                x = np.concatenate([x, np.zeros((len(devices), n * per - x.shape[1],
                                                  *x.shape[2:]), x.dtype)], axis=1)
-            x = x.reshape(local_devices, n, per, *x.shape[2:]).swapaxes(0, 1)
-            x = x.reshape(n, local_devices * per, *x.shape[3:])
-            shape = (n, local_devices * per * n_hosts, *x.shape[2:])
-            out[key] = jax.make_array_from_process_local_data(self.batch_sharding, x, shape)
+            x = x.reshape(len(devices), n, per, *x.shape[2:])
+            shape = (n, len(devices) * per * jax.process_count(), *x.shape[3:])
+            shards = [jax.device_put(rows, device) for rows, device in zip(x, devices, strict=True)]
+            out[key] = jax.make_array_from_single_device_arrays(shape, self.batch_sharding, shards)
         return out
 
     def lower(self, batch: dict[str, jax.Array]) -> jax.stages.Lowered:
