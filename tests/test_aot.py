@@ -158,3 +158,15 @@ def test_maxtext_scripts_train_step_compiles_for_tpu7x(tmp_path):
     assert row["resident"] == 2 * facts["param_count"]
     assert row["phase_peak"] == row["peak"] + row["resident"] < TPU7X_DEVICE_BYTES
     assert row["plan_phase_peak"] is None and row["compile_cpu_s"] > 0
+
+
+@pytest.mark.parametrize("keys,named", [
+    ({"free_kv_cache_during_weight_sync": False}, "free_kv_cache_during_weight_sync=true"),
+    ({"rollout_engine": "vllm", "rl_publish_weights_single_call": True}, "rollout_engine=vllm")])
+def test_maxtext_train_step_refuses_what_its_phase_does_not_count(keys, named):
+    """A kept page pool or vLLM's weights would sit beside the step uncounted: refused, named."""
+    from tunix_mcjax.aot import maxtext_train
+    from tunix_mcjax.config import Config
+
+    with pytest.raises(ValueError, match=named):
+        maxtext_train.engine_weights(None, Config().replace(**keys), None)

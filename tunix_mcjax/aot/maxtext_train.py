@@ -72,9 +72,14 @@ def train_step(config: Any, cfg: Config, target: Target) -> tuple[Program, dict]
 
     from maxtext.trainers.post_train.rl import utils_rl
 
+    from tunix_mcjax.aot import report
     from tunix_mcjax.maxtext import policy
 
+    resident = engine_weights(config, cfg, target)
     mesh, refused = trainer_mesh(config, target)
+    if refused:
+        report.progress(f"a run refuses MaxText's mesh here: {refused[:300]}; compiled over "
+                        "the same axes host by host")
     model = abstract_model(config, mesh)
     trainer_policy, params = policy.maxtext_policy(model, config, cfg.rollout_engine)
     trainer = AbstractTrainer(cfg, trainer_policy, params, mesh, target.chip.hbm_bytes,
@@ -92,8 +97,7 @@ def train_step(config: Any, cfg: Config, target: Target) -> tuple[Program, dict]
              "micro_batches": layout.micro_batches, "rows_per_device": layout.micro_rows,
              "row_len": cfg.max_target_length, "reference_model": trainer.ref_params is not None,
              "maxtext_mesh_refused": refused}
-    return Program("maxtext train step", "train", lowered, args, engine_weights(config, cfg,
-                                                                               target)), facts
+    return Program("maxtext train step", "train", lowered, args, resident), facts
 
 
 def engine_weights(config: Any, cfg: Config, target: Target) -> Any:
