@@ -78,8 +78,8 @@ def train_step(config: Any, cfg: Config, target: Target) -> tuple[Program, dict]
     resident = engine_weights(config, cfg, target)
     mesh, refused = trainer_mesh(config, target)
     if refused:
-        report.progress(f"a run refuses MaxText's mesh here: {refused[:300]}; compiled over "
-                        "the same axes host by host")
+        report.progress(f"a run refuses MaxText's mesh here ({refused.split(' (')[0]}: "
+                        "policy.check_mesh); compiled over the same axes host by host")
     model = abstract_model(config, mesh)
     trainer_policy, params = policy.maxtext_policy(model, config, cfg.rollout_engine)
     trainer = AbstractTrainer(cfg, trainer_policy, params, mesh, target.chip.hbm_bytes,
