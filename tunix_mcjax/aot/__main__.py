@@ -90,7 +90,8 @@ def write_json(path: str | None, result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tunix_mcjax.aot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("recipe", help="YAML recipe, or a benchmark profile's name")
+    parser.add_argument("recipe", help="YAML recipe, a benchmark profile's name, or a MaxText "
+                        "RL script's (run_qwen3_30b_rl ...)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     parser.add_argument("--topology", required=True, help="libtpu topology, e.g. tpu7x:2x2x1")
     parser.add_argument("--json", help="write the result here")
