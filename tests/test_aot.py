@@ -124,3 +124,50 @@ def test_maxtext_scripts_engine_compiles_for_tpu7x(tmp_path):
     assert row["compiled"] and row["fits"] and row["aliased"] > 0, row
     assert abs(row["arguments"] / row["argument_shapes_bytes"] - 1) < 0.25, row
     assert 0 < row["peak"] < TPU7X_DEVICE_BYTES and row["compile_cpu_s"] > 0
+
+
+# The same script shrunk further for its train step: 16 sequences (8 prompts x 2) of 256 tokens,
+# 2 micro-batches (train_micro_batch_size=4 of 8 prompts) of one row a device.
+TINY_MAXTEXT_TRAIN = [*(k for k in TINY_MAXTEXT if not k.startswith("max_")),
+                      "max_target_length=256", "max_prefill_predict_length=128", "batch_size=8",
+                      "rl.num_generations=2", "train_micro_batch_size=4"]
+
+
+@needs_libtpu
+@pytest.mark.skipif(importlib.util.find_spec("maxtext") is None, reason="needs maxtext")
+def test_maxtext_scripts_train_step_compiles_for_tpu7x(tmp_path):
+    """`--programs train`: MaxText's model (scanned, its own remat) under our Trainer, FSDP over
+    the host's 8 devices, with MaxText's optimizer and the reference model; XLA's memory verdict
+    holds the step's own state, and the phase adds the maxtext engine's whole bf16 weights."""
+    out = run(["-m", "tunix_mcjax.aot", "run_qwen3_30b_rl", *TINY_MAXTEXT_TRAIN, "--topology",
+               "tpu7x:2x2x1", "--programs", "train", "--json", str(tmp_path / "aot.json")])
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    result = json.loads((tmp_path / "aot.json").read_text())
+    assert result["programs"] == ["train"] and "engine" not in result
+    facts = result["train"]
+    assert facts["mesh"]["fsdp"] == 8 and facts["scan_layers"] and facts["reference_model"]
+    assert (facts["micro_batches"], facts["rows_per_device"], facts["row_len"]) == (2, 1, 256)
+    assert facts["maxtext_mesh_refused"] is None
+    [row] = result["compiled"]
+    assert row["name"] == "maxtext train step" and row["compiled"] and row["fits"], row
+    # Its arguments: params and the reference (bf16 shards), Adam's two moments, the batch.
+    params = facts["param_bytes_per_device"]
+    assert row["argument_shapes_bytes"] >= 2 * params + facts["optimizer_bytes_per_device"]
+    assert abs(row["arguments"] / row["argument_shapes_bytes"] - 1) < 0.25, row
+    assert row["peak"] >= row["arguments"] > 0 and row["temporaries"] > 0
+    # The engine's weights, whole on its one device (tensor parallelism 1), in bf16.
+    assert row["resident"] == 2 * facts["param_count"]
+    assert row["phase_peak"] == row["peak"] + row["resident"] < TPU7X_DEVICE_BYTES
+    assert row["plan_phase_peak"] is None and row["compile_cpu_s"] > 0
+
+
+@pytest.mark.parametrize("keys,named", [
+    ({"free_kv_cache_during_weight_sync": False}, "free_kv_cache_during_weight_sync=true"),
+    ({"rollout_engine": "vllm", "rl_publish_weights_single_call": True}, "rollout_engine=vllm")])
+def test_maxtext_train_step_refuses_what_its_phase_does_not_count(keys, named):
+    """A kept page pool or vLLM's weights would sit beside the step uncounted: refused, named."""
+    from tunix_mcjax.aot import maxtext_train
+    from tunix_mcjax.config import Config
+
+    with pytest.raises(ValueError, match=named):
+        maxtext_train.engine_weights(None, Config().replace(**keys), None)

@@ -4,12 +4,13 @@
                               [--programs engine,train,publish,decode]
 
 RECIPE is a YAML recipe or a benchmark profile's name (`bench.profiles`, e.g. gsm8k), or one
-of MaxText's RL scripts (`maxtext.recipes.UPSTREAM`: its maxtext engine's loop,
-`aot.maxtext_programs`). NAME is libtpu's topology name (v5e:2x2, v6e:2x2, v5p:2x2x1,
-tpu7x:2x2x1 .. tpu7x:4x4x4). Needs libtpu (`make setup-tpu-compiler`). Prints, per program, the
-compile seconds and XLA's memory analysis per device, the phase's peak beside the planner's, and
-whether it fits the device's HBM; and the decode step's cost against the HBM roofline. Exits 1
-naming the keys to change when a phase does not fit, 2 on a config error, 3 without libtpu.
+of MaxText's RL scripts (`maxtext.recipes.UPSTREAM`: its maxtext engine's loop and MaxText's
+train step under our trainer, `--programs engine,train`; `aot.maxtext_programs`). NAME is
+libtpu's topology name (v5e:2x2, v6e:2x2, v5p:2x2x1, tpu7x:2x2x1 .. tpu7x:4x4x4). Needs
+libtpu (`make setup-tpu-compiler`). Prints, per program, the compile seconds and XLA's memory
+analysis per device, the phase's peak beside the planner's (where it has one), and whether it
+fits the device's HBM; and the decode step's cost against the HBM roofline. Exits 1 naming the
+keys to change when a phase does not fit, 2 on a config error, 3 without libtpu.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import json
 import sys
 from pathlib import Path
 
-from tunix_mcjax.aot import PROGRAMS, libtpu
+from tunix_mcjax.aot import MAXTEXT_PROGRAMS, PROGRAMS, libtpu
 
 
 def load(recipe: str, overrides: list[str]):
@@ -89,12 +90,13 @@ def write_json(path: str | None, result: dict) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m tunix_mcjax.aot", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("recipe", help="YAML recipe, or a benchmark profile's name")
+    parser.add_argument("recipe", help="YAML recipe, a benchmark profile's name, or a MaxText "
+                        "RL script's (run_qwen3_30b_rl ...)")
     parser.add_argument("overrides", nargs="*", help="key=value config overrides")
     parser.add_argument("--topology", required=True, help="libtpu topology, e.g. tpu7x:2x2x1")
     parser.add_argument("--json", help="write the result here")
-    parser.add_argument("--programs", default=",".join(PROGRAMS),
-                        help=f"which to compile, of {','.join(PROGRAMS)} (default: all)")
+    parser.add_argument("--programs", help=f"which to compile, of {','.join(PROGRAMS)}; of "
+                        f"{','.join(MAXTEXT_PROGRAMS)} for a MaxText script (default: all)")
     args = parser.parse_args(argv)
     try:
         libtpu.activate()
@@ -108,10 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         return maxtext_main(args)
     try:
         cfg = load(args.recipe, args.overrides)
-        which = tuple(args.programs.split(","))
-        if unknown := set(which) - set(PROGRAMS):
-            raise ConfigError(f"--programs: {', '.join(sorted(unknown))} not among "
-                              f"{', '.join(PROGRAMS)}")
+        which = chosen(args.programs, PROGRAMS)
         result = run(cfg, args.topology, which,
                      lambda r: write_json(args.json, {**r, "recipe": args.recipe,
                                                       "overrides": args.overrides}))
@@ -121,6 +120,17 @@ def main(argv: list[str] | None = None) -> int:
     return print_result(result)
 
 
+def chosen(programs: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
+    """The programs `--programs` names (None: all `known`); ConfigError on others."""
+    from tunix_mcjax.config import ConfigError
+
+    which = tuple(programs.split(",")) if programs else known
+    if unknown := set(which) - set(known):
+        raise ConfigError(f"--programs: {', '.join(sorted(unknown))} not among "
+                          f"{', '.join(known)}")
+    return which
+
+
 def maxtext_main(args) -> int:
     from tunix_mcjax.aot import maxtext_programs, report
     from tunix_mcjax.config import ConfigError
@@ -128,7 +138,8 @@ def maxtext_main(args) -> int:
     try:
         result = maxtext_programs.run(
             args.recipe, args.overrides, args.topology,
-            lambda r: write_json(args.json, {**r, "recipe": args.recipe}))
+            lambda r: write_json(args.json, {**r, "recipe": args.recipe}),
+            chosen(args.programs, MAXTEXT_PROGRAMS))
     except (ConfigError, ValueError) as e:
         print(f"config error: {e}", file=sys.stderr)
         return 2

@@ -63,9 +63,9 @@ class AbstractTrainer(Trainer):
     """The Trainer with shapes for params and state: its step lowers, nothing runs. Device
     memory (gather-once under `auto`) is the target's HBM, not the host's."""
 
-    def __init__(self, cfg: Config, policy, params, mesh, device_bytes: int):
+    def __init__(self, cfg: Config, policy, params, mesh, device_bytes: int, tx=None):
         self._device_bytes = device_bytes
-        super().__init__(cfg, policy, params, mesh)
+        super().__init__(cfg, policy, params, mesh, tx=tx)
 
     def device_memory_bytes(self) -> int:
         return self._device_bytes

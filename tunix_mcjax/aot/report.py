@@ -39,10 +39,11 @@ def memory_figures(compiled) -> dict[str, int]:
     return figures
 
 
-def compile_program(program: Program, target: Target, p: plan.Plan
+def compile_program(program: Program, target: Target, p: plan.Plan | None
                     ) -> tuple[dict[str, Any], Any]:
     """Compiles `program`; its phase's peak is XLA's peak for it plus what the other programs
-    hold meanwhile (`resident`, from their shapes), beside the planner's peak for the phase."""
+    hold meanwhile (`resident`, from their shapes), beside the planner's peak for the phase
+    (None: the planner has no figure for the model)."""
     progress(f"compiling {program.name} for {target.topology} ...")
     load_1m = os.getloadavg()[0]  # this host is shared: its load moves the wall seconds
     start, cpu = time.perf_counter(), time.process_time()
@@ -62,7 +63,7 @@ def compile_program(program: Program, target: Target, p: plan.Plan
     if program.resident is not None:
         resident = shard_bytes(program.resident)
         row.update(resident=resident, phase_peak=figures["peak"] + resident,
-                   plan_phase_peak=p.phases[program.phase])
+                   plan_phase_peak=p.phases[program.phase] if p else None)
         row["fits"] = row["phase_peak"] <= target.chip.hbm_bytes
     return row, compiled
 
@@ -91,9 +92,10 @@ def program_lines(row: dict[str, Any]) -> list[str]:
              f"(aliased {gib(row['aliased'])}), temporaries {gib(row['temporaries'])}, code "
              f"{gib(row['code'])}, peak {gib(row['peak'])}"]
     if "phase_peak" in row:
+        planner = "-" if row["plan_phase_peak"] is None else gib(row["plan_phase_peak"])
         lines.append(f"  {row['phase']} phase: XLA {gib(row['phase_peak'])} (program + "
                      f"{gib(row['resident']).strip()} held by the others), planner "
-                     f"{gib(row['plan_phase_peak'])}: "
+                     f"{planner}: "
                      f"{'fits' if row['fits'] else 'does NOT fit'}")
     return lines
 
