@@ -21,7 +21,7 @@ from jax.sharding import Mesh
 from tunix_mcjax import memory, plan
 from tunix_mcjax.aot.programs import AbstractTrainer, Program, train_batch
 from tunix_mcjax.aot.target import Target, shard_bytes
-from tunix_mcjax.config import Config, ConfigError
+from tunix_mcjax.config import Config
 from tunix_mcjax.engine.buckets import pow2_at_least
 
 
@@ -37,24 +37,23 @@ def abstract_model(config: Any, mesh) -> Any:
     return model
 
 
-def trainer_mesh(config: Any, target: Target) -> tuple[Mesh, str | None]:
-    """(the trainer's mesh, None) as a run makes it: MaxText's mesh over every device of the
-    slice. Where MaxText orders the devices along fsdp by the torus, interleaving hosts, a run
-    refuses its mesh (`policy.check_mesh`); then the same axes over the devices host by host,
-    and the refusal (a device's memory does not depend on the order)."""
+def trainer_mesh(config: Any, target: Target) -> Mesh:
+    """The trainer's mesh as a run makes it: MaxText's over every device of the slice, all on
+    fsdp (`policy.check_mesh`), in MaxText's order (on a multi-host slice it interleaves the
+    hosts along fsdp; the trainer places each host's rows on its devices wherever they sit)."""
     from maxtext.utils import maxtext_utils
 
     from tunix_mcjax.maxtext import policy
 
     mesh = maxtext_utils.get_mesh_from_config(config, list(target.devices))
-    try:
-        policy.check_mesh(mesh)
-    except ConfigError as e:
-        if mesh.shape["fsdp"] != mesh.devices.size:
-            raise
-        by_host = np.array(target.devices).reshape(mesh.devices.shape)
-        return Mesh(by_host, mesh.axis_names, axis_types=mesh.axis_types), str(e)
-    return mesh, None
+    policy.check_mesh(mesh)
+    return mesh
+
+
+def hosts_interleaved(mesh: Mesh) -> bool:
+    """Whether the hosts' devices alternate along the mesh (MaxText's torus order)."""
+    hosts = [d.process_index for d in mesh.devices.flat]
+    return hosts != sorted(hosts)
 
 
 def train_layout(cfg: Config, target: Target, trainer: AbstractTrainer) -> plan.TrainLayout:
@@ -72,14 +71,10 @@ def train_step(config: Any, cfg: Config, target: Target) -> tuple[Program, dict]
 
     from maxtext.trainers.post_train.rl import utils_rl
 
-    from tunix_mcjax.aot import report
     from tunix_mcjax.maxtext import policy
 
     resident = engine_weights(config, cfg, target)
-    mesh, refused = trainer_mesh(config, target)
-    if refused:
-        report.progress(f"a run refuses MaxText's mesh here ({refused.split(' (')[0]}: "
-                        "policy.check_mesh); compiled over the same axes host by host")
+    mesh = trainer_mesh(config, target)
     model = abstract_model(config, mesh)
     trainer_policy, params = policy.maxtext_policy(model, config, cfg.rollout_engine)
     trainer = AbstractTrainer(cfg, trainer_policy, params, mesh, target.chip.hbm_bytes,
@@ -96,7 +91,7 @@ def train_step(config: Any, cfg: Config, target: Target) -> tuple[Program, dict]
              "gather_params_once": trainer.gather_params_once,
              "micro_batches": layout.micro_batches, "rows_per_device": layout.micro_rows,
              "row_len": cfg.max_target_length, "reference_model": trainer.ref_params is not None,
-             "maxtext_mesh_refused": refused}
+             "mesh_hosts_interleaved": hosts_interleaved(mesh)}
     return Program("maxtext train step", "train", lowered, args, resident), facts
 
 
