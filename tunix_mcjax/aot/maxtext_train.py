@@ -133,14 +133,9 @@ def compile_train(config: Any, cfg: Config, target: Target) -> tuple[dict, dict]
     """(the report's row, what the step was built at): compile seconds, wall and this
     process's CPU, XLA's memory analysis, the train phase's peak with the engine's weights
     beside the planner's where it has one, and whether the phase fits a device."""
-    import time
-
     from tunix_mcjax.aot import report
 
     report.progress(f"{config.model_name} on {target.topology}: building MaxText's train step")
     program, facts = train_step(config, cfg, target)
-    cpu = time.process_time()
     row, _ = report.compile_program(program, target, planner(cfg, target))
-    if row["compiled"]:
-        row["compile_cpu_s"] = round(time.process_time() - cpu, 2)
     return row, facts
