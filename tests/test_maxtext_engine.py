@@ -30,6 +30,7 @@ from tunix_mcjax.engine import SamplingParams, maxtext_engine, maxtext_model  # 
 from tunix_mcjax.engine import paged_attention as pa  # noqa: E402
 from tunix_mcjax.engine.maxtext_engine import MaxTextEngine  # noqa: E402
 from tunix_mcjax.engine.maxtext_model import MOE_UP_KERNELS  # noqa: E402
+from tunix_mcjax.engine.trees import flatten_tree  # noqa: E402
 from tunix_mcjax.maxtext import config_map, load_maxtext_config, policy  # noqa: E402
 from tunix_mcjax.publish import Publisher  # noqa: E402
 from tunix_mcjax.runtime import phases  # noqa: E402
@@ -388,27 +389,49 @@ def test_a_pool_of_mixed_page_layouts_samples_as_split_pages(world, monkeypatch)
 
 
 @pytest.mark.parametrize("world", family_params("gpt_oss"), indirect=True)
-def test_gpt_oss_decodes_its_sink_layers_through_split_pages_on_the_tpu_layout(world,
-                                                                               monkeypatch):
+def test_gpt_oss_decodes_its_sink_layers_by_xla_on_the_tpu_layout(world, monkeypatch):
     """The TPU kernel has no attention sinks: with the TPU layout, gpt-oss's layers (each with
-    sinks) keep SplitPages' pages, attended by XLA, and sample as the all-SplitPages engine."""
+    sinks) keep the kernel's pages, attended by XLA (CombinedXlaPages), and sample as the
+    all-SplitPages engine."""
     engine = engine_with_layouts(world, monkeypatch)
     [model] = engine._models.values()
     assert all(a.sinks for a in model.layers)
-    assert all(type(layout) is pa.SplitPages for layout in model.layouts.values())
+    assert all(type(layout) is maxtext_model.CombinedXlaPages
+               for layout in model.layouts.values())
     assert_same_samples(world, engine)
 
 
 @pytest.mark.parametrize("world", family_params("gemma4"), indirect=True)
 def test_gemma4_keeps_the_tpu_layout_where_the_kernel_takes_its_heads(world, monkeypatch):
     """Layers without sinks stay on the TPU kernel's layout where their heads are the one
-    width it compiles for (KERNEL_HEAD_DIM), SplitPages elsewhere, and sample as SplitPages."""
+    width it compiles for (KERNEL_HEAD_DIM), its pages attended by XLA elsewhere
+    (CombinedXlaPages), and sample as SplitPages."""
     engine = engine_with_layouts(world, monkeypatch)
     [model] = engine._models.values()
     assert not any(a.sinks for a in model.layers)
     for slot, (_, head_dim) in model.slot_shapes.items():
         fits = head_dim == pa.KERNEL_HEAD_DIM
-        assert type(model.layouts[slot]) is (XlaCombinedPages if fits else pa.SplitPages)
+        assert type(model.layouts[slot]) is (XlaCombinedPages if fits
+                                             else maxtext_model.CombinedXlaPages)
+    assert_same_samples(world, engine)
+
+
+@pytest.mark.parametrize("world", family_params("qwen3_moe"), indirect=True)
+def test_moe_kernels_padded_as_on_tpu_sample_as_unpadded(world, monkeypatch):
+    """The expert kernels padded with zeros along mlp, as the engine holds them on TPU (here
+    to lanes of 64, from 32): the samples are the unpadded engine's; `weights` gives MaxText's
+    shapes back."""
+    monkeypatch.setattr(maxtext_model, "TPU_LANES", 64)
+    monkeypatch.setattr(MaxTextEngine, "PAD_MOE_PLATFORMS", ("cpu",))
+    engine = MaxTextEngine(world.config, jax.local_devices()[:1], pad_id=0, eos_ids=(),
+                           max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2,
+                           page_size=PAGE)
+    engine.load_weights(policy.maxtext_tree(world.params))
+    held = {path: leaf.shape for path, leaf in engine._params[0].items()
+            if path[-1] in maxtext_model.MOE_MLP_AXIS and leaf.ndim == 3}
+    assert held and all(64 in shape and 32 not in shape for shape in held.values()), held
+    given = flatten_tree(engine.weights())
+    assert all(given[path].shape == engine._leaf_specs[path].shape for path in held)
     assert_same_samples(world, engine)
 
 

@@ -5,8 +5,10 @@ The script's command is read from the installed script (`maxtext.recipes.script_
 checked as a run checks it (`maxtext.checked_config`); `key=value` overrides follow it. The
 program is `decode_loop.build_program` over `MaxTextPagedModel` (MaxText's training forward,
 unscanned, our paged attention) for one replica on the first `rollout_tensor_parallelism`
-devices, at a full share of the step's rollouts, on the TPU page layout: `CombinedPages` (JAX's
-Pallas `ragged_paged_attention`), and `SplitPages` for layers with attention sinks (gpt-oss).
+devices, at a full share of the step's rollouts, as the engine runs it on TPU: pages in
+`CombinedPages` (JAX's Pallas `ragged_paged_attention`), or `CombinedXlaPages` (the same pages
+attended by XLA) for layers with attention sinks (gpt-oss) or heads other than 128 wide
+(Gemma4); MoE kernels padded as `maxtext_model.tpu_config` pads them.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from tunix_mcjax.engine.maxtext_model import (
     decode_config,
     local_mesh,
     param_specs,
+    tpu_config,
 )
 from tunix_mcjax.engine.paged_attention import CombinedPages
 from tunix_mcjax.engine.sampling import SamplerSpec
@@ -49,11 +52,12 @@ def script_configs(name: str, overrides: list[str], hosts: int) -> tuple[Any, Co
 
 
 def engine_config(config: Any, cfg: Config) -> Any:
-    """The engine's MaxText config, as `MaxTextEngine._config` makes it (unscanned, no remat)."""
+    """The engine's MaxText config on TPU, as `MaxTextEngine._model_config` makes it
+    (unscanned, no remat, MoE kernels padded as `tpu_config` pads them)."""
     config = decode_config(config, batch=1, prompt_len=cfg.max_prefill_predict_length,
                            max_new=cfg.max_completion_length,
                            weight_dtype=cfg.rollout_weight_dtype or None)
-    return config.model_copy(update={"remat_policy": "none", "scan_layers": False})
+    return tpu_config(config.model_copy(update={"remat_policy": "none", "scan_layers": False}))
 
 
 def engine_params(config: Any, mesh) -> tuple[dict, int]:

@@ -201,10 +201,14 @@ class JaxEngine(Engine):
     def _pages_for(self, device: jax.Device, local_devices: int, utilization: float,
                    tp: int) -> int:
         """Pages a replica's pool takes: `utilization` of a device, less the engine's weights."""
-        weights = sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
-                      for s in self._leaf_specs.values()) // tp
-        budget = int(utilization * memory.device_memory_bytes(device, local_devices)) - weights
+        budget = (int(utilization * memory.device_memory_bytes(device, local_devices))
+                  - self._weight_bytes(tp))
         return pages.pool_pages(budget, self._page_bytes(tp), self._pages_needed())
+
+    def _weight_bytes(self, tp: int) -> int:
+        """The engine's weights on one device."""
+        return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+                   for s in self._leaf_specs.values()) // tp
 
     def _check_pool(self) -> None:
         """One sequence at the caps, with its prompt's pages, must fit: then the loop always

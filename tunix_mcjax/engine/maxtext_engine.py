@@ -25,8 +25,11 @@ from tunix_mcjax.engine.maxtext_model import (
     expert_major,
     expert_minor,
     local_mesh,
+    pad_axis,
+    padded_kernels,
     param_specs,
     scan_plan,
+    tpu_config,
     unstack_layers,
 )
 from tunix_mcjax.engine.options import EngineOptions, options_of
@@ -47,6 +50,8 @@ class MaxTextEngine(JaxEngine):
     # MaxText's model is built for its batch (`decode_config`), and a MoE's expert capacity
     # follows the tokens of a call: a row's sample must not depend on how many rows run with it.
     pack_decode_rows = False
+    # Where the engine pads MoE kernels to whole lanes (`maxtext_model.tpu_moe_mlp_dim`).
+    PAD_MOE_PLATFORMS = ("tpu",)
 
     def __init__(self, model_config: Any, devices: Sequence[jax.Device],
                  options: EngineOptions | None = None, *, weight_dtype: str | None = None,
@@ -62,6 +67,7 @@ class MaxTextEngine(JaxEngine):
         self._models: dict[int, MaxTextPagedModel] = {}
         self._minor_paths: set[LeafPath] = set()  # MoE up-kernels kept expert-minor on CPU
         self._minor_keys: set[tuple] = set()  # the same, as MaxText's param keys
+        self._padded: dict[LeafPath, tuple[int, int]] = {}  # MoE kernels padded on TPU
         self._context = (options.max_prompt_length, options.max_new_tokens)
         super().__init__(model_config, devices, options)
 
@@ -84,6 +90,21 @@ class MaxTextEngine(JaxEngine):
             update["scan_layers"] = False
         return config.model_copy(update=update)
 
+    def _model_config(self) -> Any:
+        """The decode model's config: `_config`, its MoE kernels padded on TPU
+        (`maxtext_model.tpu_config`)."""
+        config = self._config()
+        return tpu_config(config) if self._padded else config
+
+    def _weight_bytes(self, tp: int) -> int:
+        """JaxEngine's, with the zeros that pad MoE kernels on TPU."""
+        padding = 0
+        for path, (axis, width) in self._padded.items():
+            shape, dtype = self._leaf_specs[path].shape, self._leaf_specs[path].dtype
+            padding += (int(np.prod(shape)) // shape[axis] * (width - shape[axis])
+                        * np.dtype(dtype).itemsize)
+        return super()._weight_bytes(tp) + padding // tp
+
     def _param_specs(self, tp: int) -> dict[LeafPath, _LeafSpec]:
         self.plan = scan_plan(self._config(), self.meshes[0])
         if self.model_config.scan_layers and self.plan is None:
@@ -94,7 +115,10 @@ class MaxTextEngine(JaxEngine):
         self.unstack = self.plan is not None
         specs = param_specs(self._config(), self.meshes[0])
         self._keys = {path: keys for path, (keys, *_) in specs.items()}
-        if self.meshes[0].devices.flat[0].platform == "cpu":
+        platform = self.meshes[0].devices.flat[0].platform
+        if platform in self.PAD_MOE_PLATFORMS:
+            self._padded = padded_kernels(specs, self._config())
+        if platform == "cpu":
             self._minor_paths = {path for path, (_, shape, *_) in specs.items()
                                   if path[-1] in MOE_UP_KERNELS and len(shape) == 3}
             self._minor_keys = {self._keys[path] for path in self._minor_paths}
@@ -107,24 +131,31 @@ class MaxTextEngine(JaxEngine):
             params = unflatten_tree(unstack_layers(flatten_tree(params), self.plan,
                                                    self.model_config.param_scan_axis))
         super().load_weights(params)
-        moved = self._minor_paths & set(flatten_tree(params))
+        loaded = set(flatten_tree(params))
+        moved, padded = self._minor_paths & loaded, self._padded.keys() & loaded
         for mesh, replica_params in zip(self.meshes, self._params, strict=True):
             with jax.set_mesh(mesh):  # not the trainer's mesh a publish may run under
                 for path in moved:
                     replica_params[path] = expert_minor(replica_params[path])
+                for path in padded:
+                    replica_params[path] = pad_axis(replica_params[path], *self._padded[path])
 
     def _param_store(self) -> dict[LeafPath, Any]:
         return {}
 
     def weights(self, replica: int = 0) -> dict[str, Any]:
-        """The param tree replica `replica` decodes with, in MaxText's layout."""
-        return expert_major(self._tree(self._params[replica]), self._minor_keys)
+        """The param tree replica `replica` decodes with, in MaxText's layout (unpadded)."""
+        flat = dict(self._params[replica])
+        for path, (axis, _) in self._padded.items():
+            flat[path] = jax.lax.slice_in_dim(flat[path], 0, self._leaf_specs[path].shape[axis],
+                                              axis=axis)
+        return expert_major(self._tree(flat), self._minor_keys)
 
     def _decode_model(self, mesh: Mesh) -> MaxTextPagedModel:
         key = id(mesh)
         if key not in self._models:
             layout = layout_for(mesh.devices.flat[0].platform, mesh.devices.size)
-            self._models[key] = MaxTextPagedModel(self._config(), mesh, layout,
+            self._models[key] = MaxTextPagedModel(self._model_config(), mesh, layout,
                                                   expert_minor_keys=self._minor_keys,
                                                   record_routing=self.record_routing)
         return self._models[key]

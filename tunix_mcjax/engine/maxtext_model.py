@@ -6,14 +6,16 @@ RoPE, MoE and output head, so it is the forward the trainer scores with. Only at
 each layer's `AttentionOp` is replaced, per call, by `PagedAttentionOp`, which writes the layer's
 keys and values into our page pool and attends over it (`engine.paged_attention`) with the
 layer's sliding window (by token position), sinks and soft cap; Gemma4's KV-shared layers read
-their donor's pages. Each KV slot has its page layout: on TPU the Pallas kernel's, except for
-layers with sinks, which it lacks (`slot_layouts`). It decodes unscanned; `scan_plan` and
-`unstack_layers` slice a scanned tree into layers.
+their donor's pages. Each KV slot has its page layout: on TPU the Pallas kernel's, attended by
+XLA for layers with sinks or heads the kernel does not take (`slot_layouts`); on TPU the expert
+kernels are padded to whole lanes where their layout would otherwise be copied (`tpu_config`).
+It decodes unscanned; `scan_plan` and `unstack_layers` slice a scanned tree into layers.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
@@ -40,9 +42,11 @@ def decode_config(config: Any, *, batch: int, prompt_len: int, max_new: int,
                   weight_dtype: str | None = None) -> Any:
     """The trainer's MaxText config for the engine's model: its lengths (`prompt_len` prompt
     tokens, `max_new` new), `batch` rows and the engine's weight dtype."""
+    # No iota embedding: as a one-hot matmul it takes [tokens, vocab] (7 GiB for Gemma4's
+    # 262144-token vocabulary at a 4096-token prefill) where a gather takes the rows.
     update: dict[str, Any] = {"max_prefill_predict_length": prompt_len,
                               "max_target_length": prompt_len + max_new,
-                              "micro_batch_size_to_train_on": batch}
+                              "micro_batch_size_to_train_on": batch, "use_iota_embed": False}
     if weight_dtype:
         update["weight_dtype"] = weight_dtype
     return config.model_copy(update=update)
@@ -320,15 +324,82 @@ def _layer_attention(attn: nnx.Module, slot: int, own_slot: bool) -> _LayerAtten
                            getattr(attn, "sinks", None) is not None)
 
 
+class CombinedXlaPages(CombinedPages):
+    """CombinedPages' pool `[pages, page_size, 2 * kv_heads, head_dim]`, attended by XLA as
+    SplitPages attends its gathered pages: TPU pages for the slots JAX's kernel cannot take.
+    Token-major pages are what XLA's TPU scatter writes in place; over SplitPages'
+    `[kv_heads, pages, page_size, head_dim]` it kept a relaid-out copy of every layer's pool
+    (tokens major) and gathered pages from another copy (`[kv_heads * pages, page * head_dim]`
+    rows): 77 of the 86 GiB of temporaries at 6 of Gemma4-26B's layers, over a 65 GiB pool."""
+
+    attend = SplitPages.attend
+    attend_shared = SplitPages.attend_shared
+    attend_own = SplitPages.attend_own
+
+    @staticmethod
+    def kv_heads_of(pool) -> int:
+        return pool.shape[-2] // 2
+
+    @staticmethod
+    def page_size_of(pool) -> int:
+        return pool.shape[-3]
+
+
 def slot_layouts(layout: Any, layers: list[_LayerAttention]) -> dict[int, Any]:
     """Each KV slot's page layout: `layout`, except where it is `CombinedPages` (JAX's TPU
     kernel, which has no attention sinks and compiles for KERNEL_HEAD_DIM heads only) for a
     slot that a layer with sinks reads (gpt-oss's) or whose heads are of another width
-    (Gemma4's 256 and 512): that slot's pages are `SplitPages`, attended by XLA, which runs on
-    any backend."""
+    (Gemma4's 256 and 512): that slot's pages are `CombinedXlaPages`, the kernel's pages
+    attended by XLA."""
     unfit = {a.slot for a in layers if a.sinks or a.head_dim != KERNEL_HEAD_DIM}
-    return {a.slot: SplitPages() if isinstance(layout, CombinedPages) and a.slot in unfit
+    return {a.slot: CombinedXlaPages() if isinstance(layout, CombinedPages) and a.slot in unfit
             else layout for a in layers if a.writes}
+
+
+# On TPU an array's default layout keeps a dimension that is a multiple of the 128 lanes minor
+# rather than pad one that is not: Gemma4-26B's expert up-kernels [128, 2816, 704] lie
+# embed-minor, MaxText's grouped matmul (megablox) takes them mlp-minor, and XLA copied every
+# layer's wi_0 and wi_1 before the decode loop (31 GiB at 30 layers). The engine's copy on TPU is
+# padded with zeros to a multiple of 128 along mlp (MaxText's `padded_base_moe_mlp_dim`, as its
+# vLLM rollout pads them), whose default layout is mlp-minor; the zeros add nothing.
+TPU_LANES = 128
+MOE_MLP_AXIS = {"wi_0": 2, "wi_1": 2, "wo": 1}  # each expert kernel's mlp axis
+
+
+def tpu_moe_mlp_dim(config: Any) -> int | None:
+    """The MoE mlp width the engine pads expert kernels to on TPU, or None: no MoE, an mlp
+    width of whole lanes, an embed width that is not (no layout prefers it minor), or MoE
+    biases or fused kernels (MaxText pads neither)."""
+    mlp = config.moe_mlp_dim
+    if (config.num_experts <= 1 or mlp % TPU_LANES == 0 or config.emb_dim % TPU_LANES
+            or config.mlp_bias or config.prefuse_moe_weights):
+        return None
+    return -(-mlp // TPU_LANES) * TPU_LANES
+
+
+def tpu_config(config: Any) -> Any:
+    """The engine's MaxText config on TPU: its MoE kernels padded (`tpu_moe_mlp_dim`)."""
+    padded = tpu_moe_mlp_dim(config)
+    return config if padded is None else config.model_copy(
+        update={"padded_base_moe_mlp_dim": padded})
+
+
+def padded_kernels(specs: dict, config: Any) -> dict[tuple, tuple[int, int]]:
+    """{path: (mlp axis, padded width)} of the expert kernels in `specs` (`param_specs` of
+    MaxText's unpadded `config`) that the engine pads on TPU."""
+    padded = tpu_moe_mlp_dim(config)
+    if padded is None:
+        return {}
+    return {path: (MOE_MLP_AXIS[path[-1]], padded) for path, (_, shape, *_) in specs.items()
+            if path[-1] in MOE_MLP_AXIS and len(shape) == 3}
+
+
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def pad_axis(kernel: jax.Array, axis: int, width: int) -> jax.Array:
+    """`kernel` with zeros after its entries along `axis`, to `width`."""
+    widths = [(0, 0)] * kernel.ndim
+    widths[axis] = (0, width - kernel.shape[axis])
+    return jnp.pad(kernel, widths)
 
 
 # MoE up-projections [experts, embed, mlp]: MaxText's decode einsum "BSM,EMH->BSEH" contracts

@@ -177,6 +177,14 @@ class SplitPages:
         shape = (kv_heads, *([layers] if layers else []), num_pages, page_size, head_dim)
         return jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
 
+    @staticmethod
+    def kv_heads_of(pool) -> int:
+        return pool[0].shape[0]
+
+    @staticmethod
+    def page_size_of(pool) -> int:
+        return pool[0].shape[-2]
+
     def spec(self, pages_axis: str | None) -> P:
         """The partition of one array of the stacked pool: kv heads over `tp` (and pages over
         `pages_axis`)."""
@@ -232,7 +240,7 @@ class SplitPages:
         if q.shape[1] > 1:
             return attend_rows(q, *self.sequences(pool, tables, tables.shape[1], layer),
                                kv_lens, q_lens, sinks=sinks, **options)
-        kv_heads = pool[0].shape[0]
+        kv_heads = self.kv_heads_of(pool)
         qg = head_groups(q, kv_heads)[:, :, 0]  # [K, R, G, H]: one query a row
         own = functools.partial(self.attend_own, qg, pool, tables, kv_lens, q_lens, layer=layer,
                                 **options)
@@ -250,7 +258,7 @@ class SplitPages:
         prompt and attended by that prompt's rows together: a group of G samples reads its
         prompt's keys once, not G times. Returns ((outputs, log-sum-exp) per row, each row's
         first own table entry)."""
-        page_size = pool[0].shape[-2]
+        page_size = self.page_size_of(pool)
         num_prompts, width = prefix.tables.shape
         live = q_lens > 0
         q_pos = kv_lens - 1
@@ -273,7 +281,7 @@ class SplitPages:
         """Decode queries qg [K, R, G, H] over their tables from entry `first` [R] on, up to
         the longest live row's pages (n from `page_buckets`, a `lax.switch` over them):
         (outputs, log-sum-exp) per row."""
-        page_size = pool[0].shape[-2]
+        page_size = self.page_size_of(pool)
         own_pages = jnp.where(q_lens > 0, (kv_lens + page_size - 1) // page_size - first, 0)
         buckets = page_buckets(tables.shape[1])
         index = jnp.sum(jnp.asarray(buckets[:-1]) < jnp.max(own_pages))
