@@ -8,5 +8,5 @@ memory and cost analyses are read beside the planner's figures (`aot.report`).
 # The programs of a step (`aot.programs.step_programs`): the engine's decode loop, the train step,
 # publish's gather, and the engine's decode step alone.
 PROGRAMS = ("engine", "train", "publish", "decode")
-# Of a MaxText RL script (`aot.maxtext_programs.run`): the maxtext engine's loop, the train step.
+# Of a MaxText RL script (`aot.maxtext_script.run`): the maxtext engine's loop, the train step.
 MAXTEXT_PROGRAMS = ("engine", "train")

@@ -5,7 +5,7 @@
 
 RECIPE is a YAML recipe or a benchmark profile's name (`bench.profiles`, e.g. gsm8k), or one
 of MaxText's RL scripts (`maxtext.recipes.UPSTREAM`: its maxtext engine's loop and MaxText's
-train step under our trainer, `--programs engine,train`; `aot.maxtext_programs`). NAME is
+train step under our trainer, `--programs engine,train`; `aot.maxtext_script`). NAME is
 libtpu's topology name (v5e:2x2, v6e:2x2, v5p:2x2x1, tpu7x:2x2x1 .. tpu7x:4x4x4). Needs
 libtpu (`make setup-tpu-compiler`). Prints, per program, the compile seconds and XLA's memory
 analysis per device, the phase's peak beside the planner's (where it has one), and whether it
@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     from tunix_mcjax.config import ConfigError
     from tunix_mcjax.maxtext.recipes import UPSTREAM
 
-    if args.recipe in UPSTREAM:  # MaxText's RL script: its maxtext engine (aot.maxtext_programs)
+    if args.recipe in UPSTREAM:  # MaxText's RL script: its programs (aot.maxtext_script)
         return maxtext_main(args)
     try:
         cfg = load(args.recipe, args.overrides)
@@ -132,11 +132,11 @@ def chosen(programs: str | None, known: tuple[str, ...]) -> tuple[str, ...]:
 
 
 def maxtext_main(args) -> int:
-    from tunix_mcjax.aot import maxtext_programs, report
+    from tunix_mcjax.aot import maxtext_script, report
     from tunix_mcjax.config import ConfigError
 
     try:
-        result = maxtext_programs.run(
+        result = maxtext_script.run(
             args.recipe, args.overrides, args.topology,
             lambda r: write_json(args.json, {**r, "recipe": args.recipe}),
             chosen(args.programs, MAXTEXT_PROGRAMS))

@@ -22,7 +22,6 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tunix_mcjax import plan
-from tunix_mcjax.aot import MAXTEXT_PROGRAMS
 from tunix_mcjax.aot.programs import Program, loop_inputs, program_shape, sds
 from tunix_mcjax.aot.target import Target
 from tunix_mcjax.config import Config
@@ -110,33 +109,3 @@ def engine_loop(config: Any, cfg: Config, target: Target) -> tuple[Program, dict
              "layers": engine_cfg.num_decoder_layers, "dtype": str(jnp.dtype(model.dtype))}
     return Program("maxtext engine decode loop", "generate", lowered,
                    (params, pool, inputs), None), facts
-
-
-def run(name: str, overrides: list[str], topology: str, save=lambda result: None,
-        which: tuple[str, ...] = MAXTEXT_PROGRAMS) -> dict:
-    """Compiles the programs `which` (the maxtext engine's loop, MaxText's train step:
-    `aot.maxtext_train`) of MaxText's RL script `name` for `topology`: compile seconds (wall
-    and this process's CPU), XLA's memory analysis, whether it fits a device."""
-    from tunix_mcjax.aot import maxtext_train, report
-    from tunix_mcjax.aot.target import target
-
-    tgt = target(topology)
-    config, cfg = script_configs(name, overrides, tgt.hosts)
-    result = {"topology": topology, "device_kind": tgt.device_kind, "hosts": tgt.hosts,
-              "devices_per_host": tgt.devices_per_host, "hbm_bytes": tgt.chip.hbm_bytes,
-              "script": name, "model": config.model_name, "overrides": overrides,
-              "programs": list(which), "compiled": []}
-    if "engine" in which:
-        report.progress(f"{name} ({config.model_name}) on {topology}: building the maxtext "
-                        "engine")
-        program, result["engine"] = engine_loop(config, cfg, tgt)
-        row, _ = report.compile_program(program, tgt, None)
-        if row["compiled"]:
-            row["fits"] = row["peak"] <= tgt.chip.hbm_bytes
-        result["compiled"].append(row)
-        save(result)
-    if "train" in which:
-        row, result["train"] = maxtext_train.compile_train(config, cfg, tgt)
-        result["compiled"].append(row)
-        save(result)
-    return result
