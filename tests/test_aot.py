@@ -113,7 +113,7 @@ def test_maxtext_scripts_engine_compiles_for_tpu7x(tmp_path):
     """`python -m tunix_mcjax.aot run_qwen3_30b_rl ...`: the script's keys, shrunk; the maxtext
     engine's loop on CombinedPages (JAX's Pallas kernel, through Mosaic) for a TPU7x host."""
     out = run(["-m", "tunix_mcjax.aot", "run_qwen3_30b_rl", *TINY_MAXTEXT, "--topology",
-               "tpu7x:2x2x1", "--json", str(tmp_path / "aot.json")])
+               "tpu7x:2x2x1", "--programs", "engine", "--json", str(tmp_path / "aot.json")])
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     result = json.loads((tmp_path / "aot.json").read_text())
     assert (result["script"], result["model"]) == ("run_qwen3_30b_rl", "qwen3-30b-a3b-base")
