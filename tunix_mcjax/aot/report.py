@@ -43,7 +43,8 @@ def compile_program(program: Program, target: Target, p: plan.Plan | None
                     ) -> tuple[dict[str, Any], Any]:
     """Compiles `program`; its phase's peak is XLA's peak for it plus what the other programs
     hold meanwhile (`resident`, from their shapes), beside the planner's peak for the phase
-    (None: the planner has no figure for the model)."""
+    (None: the planner has no figure for the model); it fits when that phase peak (the
+    program's own peak where nothing else is held) is within the device's HBM."""
     progress(f"compiling {program.name} for {target.topology} ...")
     load_1m = os.getloadavg()[0]  # this host is shared: its load moves the wall seconds
     start, cpu = time.perf_counter(), time.process_time()
@@ -60,6 +61,7 @@ def compile_program(program: Program, target: Target, p: plan.Plan | None
            "compile_s": round(seconds, 2), "compile_cpu_s": round(cpu_seconds, 2),
            "load_1m": round(load_1m, 2), **figures,
            "argument_shapes_bytes": shard_bytes(program.args)}
+    row["fits"] = figures["peak"] <= target.chip.hbm_bytes
     if program.resident is not None:
         resident = shard_bytes(program.resident)
         row.update(resident=resident, phase_peak=figures["peak"] + resident,
