@@ -1,15 +1,16 @@
 """Router record and replay on a patched maxtext (first on sys.path), per tiny MoE family.
 
-    python -m tests.workers.moe_replay_check FAMILIES_JSON RL_YML [test:EPS|bf16[:SCALE]|EPS,EPS]
+    python -m tests.workers.moe_replay_check FAMILIES_JSON RL_YML [test:EPS|bf16[:SCALE[:TIE]]|EPS,EPS]
 
 `test:EPS` (the test's): the trainer's MaxText model (scanned, fp32) against an unscanned copy
 of its weights with `record_routed_experts` on: the recorded indices' shape and the max |logit
 difference| of the scanned forward replaying them, replaying other experts, and routing on its
 own; then the maxtext engine (fp32) recording routing on routers whose experts 1 and 2 are
-tied up to EPS, against the trainer's logprobs with and without replay. `bf16`: a bf16 engine
-against the fp32 trainer on the same weights, the mismatch with and without replay (FAMILIES'
-lists are the test family's overrides, SCALE the weights' perturbation, 0.5 by default as in
-the tests; 0 leaves MaxText's init). Prints one
+tied up to EPS, against the trainer's logprobs with and without replay. `bf16[:SCALE[:TIE]]`: a
+bf16 engine against the trainer on the same weights, the mismatch with and without replay
+(FAMILIES' lists are the test family's overrides, `dtype` among them the trainer's; SCALE the
+weights' perturbation, 0.5 by default as in the tests, 0 leaves MaxText's init; TIE, when
+given, ties the routers' experts 1 and 2 up to that noise, as `test:EPS` does). Prints one
 "REPORT <json>" line.
 """
 
@@ -137,14 +138,17 @@ def engine_report(name: str, eps: float) -> dict:
     return out
 
 
-def bf16_report(name: str, overrides: list[str], scale: float) -> dict:
-    """A bf16 engine (weights and compute) against the fp32 trainer on the same weights: the
-    mismatch |log p_trainer - log p_engine| per completion token, without and with replay."""
+def bf16_report(name: str, overrides: list[str], scale: float, tie: float | None) -> dict:
+    """A bf16 engine (weights and compute) against the trainer (the family's dtype) on the same
+    weights, with routers near-tied up to `tie` where given: the mismatch
+    |log p_trainer - log p_engine| per completion token, without and with replay."""
     from tests.test_maxtext_engine import World
     from tunix_mcjax.engine import SamplingParams
     from tunix_mcjax.engine.maxtext_engine import MaxTextEngine
 
     world = World(name, tuple(overrides), scale=scale)
+    if tie is not None:
+        world.params = near_tied_routers(world.params, tie)
     config = world.config.model_copy(update={"dtype": "bfloat16"})
     engine = MaxTextEngine(config, jax.local_devices()[:1], pad_id=0, eos_ids=(),
                            max_prompt_length=16, max_new_tokens=16, max_batch_size=8,
@@ -163,8 +167,9 @@ def bf16_report(name: str, overrides: list[str], scale: float) -> dict:
 
 MODE = sys.argv[3] if len(sys.argv) > 3 else "test:1e-5"
 if MODE.startswith("bf16"):
-    scale = float(MODE.split(":")[1]) if ":" in MODE else 0.5
-    report = {name: bf16_report(name, args, scale) for name, args in FAMILIES.items()}
+    _, scale, tie = (*MODE.split(":"), None, None)[:3]
+    report = {name: bf16_report(name, args, float(scale or 0.5), tie and float(tie))
+              for name, args in FAMILIES.items()}
 elif MODE.startswith("test:"):  # the patch's checks, then the engine's at one router tie
     eps = float(MODE.split(":")[1])
     report = {name: {**family_report(args), "engine": engine_report(name, eps)}
