@@ -97,6 +97,18 @@ def test_tiny_model_programs_compile_for_tpu7x(tmp_path):
     assert cost["flops"] > 0 and cost["xla_bytes_accessed"] > 0 and cost["roofline_ms"] > 0
 
 
+@needs_libtpu
+def test_tensor_parallel_replica_runs_the_kernel_on_each_devices_heads(tmp_path):
+    """Two devices a replica: Mosaic refuses to partition a Pallas call, so the engine's loop
+    compiles only with the kernel inside a shard_map over the heads (`CombinedPages(mesh)`)."""
+    out = run(["-m", "tunix_mcjax.aot", "recipes/cpu/demo.yml", *TINY,
+               "rollout_tensor_parallelism=2", "--topology", "tpu7x:2x2x1", "--programs",
+               "engine", "--json", str(tmp_path / "aot.json")])
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    [row] = json.loads((tmp_path / "aot.json").read_text())["compiled"]
+    assert row["compiled"] and row["fits"] and row["aliased"] > 0, row
+
+
 # MaxText's Qwen3-30B-A3B script at a tiny width and two layers, head size 128 for the kernel;
 # one device a replica (XLA does not partition the Pallas call over a replica's devices).
 TINY_MAXTEXT = ["override_model_config=true", "base_emb_dim=256", "base_num_query_heads=8",

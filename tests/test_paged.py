@@ -1,6 +1,7 @@
 """The paged engine: attention over pages against its definition and JAX's TPU kernel's, and the
 loop's pool, prefix sharing, chunked prefill and preemption against unconstrained runs."""
 
+import functools
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
@@ -227,6 +228,46 @@ def test_tpu_kernel_arguments_pass_its_validators_and_its_reference_agrees(page_
     got = pa.unpack_rows(theirs, where, q.shape)
     np.testing.assert_allclose(got, pa.reference_attention(q, k_seq, v_seq, kv_lens, q_lens),
                                atol=1e-5)
+
+
+class ReferenceKernelPages(pa.CombinedPages):
+    """CombinedPages with the TPU kernel's own reference in the kernel's place (the kernel does
+    not run on CPU), block sizes aside, called back on each device's concrete arrays (it loops
+    over them in Python): what the head split around it computes."""
+
+    @staticmethod
+    def kernel(packed, kv_pages, *rest, **options):
+        seen.append((packed.shape, kv_pages.shape))
+        def reference(*args):  # its real tokens' rows; the kernel's shape has every token's
+            out = np.asarray(rpa.ref_ragged_paged_attention(*args, **options))
+            return np.pad(out, ((0, packed.shape[0] - out.shape[0]), (0, 0), (0, 0)))
+
+        return jax.pure_callback(reference, jax.ShapeDtypeStruct(packed.shape, packed.dtype),
+                                 packed, kv_pages, *rest)
+
+
+seen: list[tuple] = []
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_tpu_kernel_on_each_devices_heads_equals_the_reference(window):
+    """Tensor parallelism on TPU: over a replica mesh of 2 devices the kernel runs on each
+    device's kv head (its keys and values, combined heads 2i and 2i + 1) and that head's query
+    group, and the rows it returns are the whole-head reference's."""
+    from jax.sharding import Mesh, NamedSharding
+
+    (q, k_seq, v_seq, tables, kv_lens, q_lens), pool = ragged_case(4)
+    mesh = Mesh(np.array(jax.devices()[:2]).reshape(1, 2), ("data", "tp"))
+    layout = ReferenceKernelPages(mesh)
+    kv_pages = jax.device_put(combined_layer(*pool)[None], NamedSharding(mesh, layout.spec(None)))
+    seen.clear()
+    got = jax.jit(functools.partial(layout.attend, window=window, layer=0))(
+        q, kv_pages, tables, kv_lens, q_lens)
+    want = pa.reference_attention(q, k_seq, v_seq, kv_lens, q_lens, window=window)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+    assert [(p[1], k[2]) for p, k in seen] == [(2, 2)]  # 2 of 4 query heads, 1 of 2 kv heads
+    assert pa.layout_for("tpu", 2, mesh=mesh, kv_heads=2).mesh is mesh
+    assert isinstance(pa.layout_for("tpu", 2, mesh=mesh, kv_heads=3), pa.SplitPages)
 
 
 def brute_force(q, k_seq, v_seq, kv_lens, q_lens, window, sinks, scale):

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3 import model as qwen3
 
@@ -34,7 +34,7 @@ from tunix_mcjax.engine.decode_loop import build_program
 from tunix_mcjax.engine.jax_engine import MAX_STOP_IDS
 from tunix_mcjax.engine.layer_stack import layer_of
 from tunix_mcjax.engine.loop_state import Inputs, ProgramShape
-from tunix_mcjax.engine.paged_attention import CombinedPages
+from tunix_mcjax.engine.paged_attention import layout_for
 from tunix_mcjax.engine.qwen3_forward import PagedRows, Qwen3PagedModel
 from tunix_mcjax.engine.sampling import SamplerSpec, sample
 from tunix_mcjax.engine.trees import unflatten_tree
@@ -134,7 +134,14 @@ def engine_model(cfg: Config, target: Target, mc_train) -> tuple[Qwen3PagedModel
     """The TPU decode model of one replica, and its param shapes."""
     mc = models.model_config(cfg, mc_train.vocab_size, for_sampling=True)
     mesh = target.replica_mesh(cfg.rollout_tensor_parallelism)
-    return Qwen3PagedModel(mc, mesh, CombinedPages()), engine_params(mc, mesh)
+    return tpu_model(mc, mesh), engine_params(mc, mesh)
+
+
+def tpu_model(mc, mesh: Mesh) -> Qwen3PagedModel:
+    """The jax engine's decode model on a TPU replica `mesh`, with the page layout the engine
+    picks there (`layout_for`: the Pallas kernel on each device's heads)."""
+    return Qwen3PagedModel(mc, mesh, layout_for("tpu", mesh.devices.size, mc.head_dim,
+                                                mesh=mesh, kv_heads=mc.num_kv_heads))
 
 
 def pool_shapes(model: Qwen3PagedModel, num_pages: int, page_size: int):
@@ -242,7 +249,7 @@ def step_programs(cfg: Config, target: Target, mc, p: plan.Plan,
     replica = target.replica_mesh(cfg.rollout_tensor_parallelism)
     weights = engine_params(engine_mc, replica)
     kept_pool = [] if cfg.free_kv_cache_during_weight_sync else pool_shapes(
-        Qwen3PagedModel(engine_mc, replica, CombinedPages()), p.engine.pool_pages,
+        tpu_model(engine_mc, replica), p.engine.pool_pages,
         p.engine.page_size)
     train.resident = (weights, kept_pool)
     programs, kv = [], {}

@@ -161,7 +161,8 @@ class JaxEngine(Engine):
     def _decode_model(self, mesh: Mesh) -> DecodeModel:
         platform = mesh.devices.flat[0].platform
         return Qwen3PagedModel(self.model_config, mesh, layout_for(
-            platform, mesh.devices.size, self.model_config.head_dim))
+            platform, mesh.devices.size, self.model_config.head_dim, mesh=mesh,
+            kv_heads=self.model_config.num_kv_heads))
 
     def _replica_model(self, mesh_index: int) -> DecodeModel:
         """The decode model of replica (mesh) `mesh_index`, built once."""

@@ -24,6 +24,8 @@ sees keys at positions p - window < k <= p, by token position, MaxText's LOCAL_S
 - `CombinedPages` (TPU): one array `[pages, page_size, 2 * kv_heads, head_dim]`, keys at even and
   values at odd heads, read by the Pallas kernel shipped with JAX after packing the rows'
   queries into its token layout (`rpa_arguments`). The kernel only reads; the model writes.
+  On a replica of several devices it runs on each device's heads (`shard_map` over the heads
+  axis: XLA does not partition a Pallas call).
 
 A model that scans its layers keeps one stacked pool (`empty(..., layers=L)`) in the scan's carry
 and passes each method the layer's index (`layer`): writes and reads index the pool at (layer,
@@ -40,6 +42,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3.model import K_MASK
 
@@ -346,7 +349,15 @@ class CombinedPages:
     """One array `[pages, page_size, 2 * kv_heads, head_dim]`, keys at even and values at odd
     combined heads: the layout of JAX's TPU `ragged_paged_attention`, which attends. The
     engine's pool stacks every layer's, `[layers, pages, page_size, 2 * kv_heads, head_dim]`:
-    `layer` as in SplitPages; the kernel reads the stacked pool as `[layers * pages, ...]`."""
+    `layer` as in SplitPages; the kernel reads the stacked pool as `[layers * pages, ...]`.
+
+    With `mesh`, a replica whose `heads_axis` spans several devices (tensor parallelism), the
+    kernel runs on each device's query heads and combined heads: the pool is split by combined
+    heads over that axis (`spec`), so a device holds whole kv heads, keys and values, with the
+    query heads of their groups when the kv heads divide by the devices (`layout_for`)."""
+
+    def __init__(self, mesh: Mesh | None = None, heads_axis: str = "tp"):
+        self.mesh, self.heads_axis = mesh, heads_axis
 
     def empty(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
               dtype: Any, layers: int | None = None) -> jax.Array:
@@ -354,9 +365,9 @@ class CombinedPages:
                           head_dim), dtype)
 
     def spec(self, pages_axis: str | None) -> P:
-        """The partition of the stacked pool: combined heads over `tp` (and pages over
+        """The partition of the stacked pool: combined heads over the heads axis (and pages over
         `pages_axis`)."""
-        return P(None, pages_axis, None, "tp", None)
+        return P(None, pages_axis, None, self.heads_axis, None)
 
     def write(self, pool, pages, offsets, k, v, layer=None):
         kv = jnp.stack([k, finite_values(v)], axis=-2)  # [..., K, 2, H]: k, v alternate
@@ -389,19 +400,30 @@ class CombinedPages:
         if sinks is not None:
             raise NotImplementedError("JAX's TPU ragged_paged_attention has no attention sinks "
                                       "(gpt-oss): decode it with SplitPages")
+        kv_pages, tables = self.pages_of(pool, tables, layer)
+        (packed, *rest), where = rpa_arguments(q, tables, kv_lens, q_lens)
+        kernel = functools.partial(self.kernel, sm_scale=q.shape[-1]**-0.5 if scale is None
+                                   else scale, sliding_window=window or None,
+                                   soft_cap=soft_cap or None)
+        if self.mesh is not None and self.mesh.shape[self.heads_axis] > 1:
+            heads = P(None, self.heads_axis, None)
+            kernel = jax.shard_map(kernel, mesh=self.mesh, check_vma=False,
+                                   in_specs=(heads, P(None, None, self.heads_axis, None),
+                                             *[P()] * len(rest)), out_specs=heads)
+        return unpack_rows(kernel(packed, kv_pages, *rest), where, q.shape)
+
+    @staticmethod
+    def kernel(packed, kv_pages, lens, indices, cu_q_lens, num_seqs, **options) -> jax.Array:
+        """JAX's TPU `ragged_paged_attention` on one device's heads, with the target's block
+        sizes."""
         from jax.experimental.pallas.ops.tpu.ragged_paged_attention import (
             ragged_paged_attention,
         )
 
-        kv_pages, tables = self.pages_of(pool, tables, layer)
-        args, where = rpa_arguments(q, tables, kv_lens, q_lens)
-        packed, lens, indices, cu_q_lens, num_seqs = args
-        out = ragged_paged_attention(packed, kv_pages, lens, indices, cu_q_lens, num_seqs,
-                                     sm_scale=q.shape[-1]**-0.5 if scale is None else scale,
-                                     sliding_window=window or None, soft_cap=soft_cap or None,
-                                     **rpa_block_sizes(target_device_kind(), packed, kv_pages,
-                                                       indices.shape[1]))
-        return unpack_rows(out, where, q.shape)
+        return ragged_paged_attention(packed, kv_pages, lens, indices, cu_q_lens, num_seqs,
+                                      **options, **rpa_block_sizes(
+                                          target_device_kind(), packed, kv_pages,
+                                          indices.shape[1]))
 
 
 # VMEM per TensorCore by TPU device kind (jax._src.tpu_info); the kernel may use 3/4 of it.
@@ -469,12 +491,17 @@ def unpack_rows(out: jax.Array, where: tuple, shape: tuple[int, ...]) -> jax.Arr
 KERNEL_HEAD_DIM = 128
 
 
-def layout_for(platform: str, devices: int = 1,
-               head_dim: int = KERNEL_HEAD_DIM) -> SplitPages | CombinedPages:
+def layout_for(platform: str, devices: int = 1, head_dim: int = KERNEL_HEAD_DIM, *,
+               mesh: Mesh | None = None, kv_heads: int | None = None
+               ) -> SplitPages | CombinedPages:
     """The page layout of a replica mesh of `devices` devices on `platform`, for heads
-    `head_dim` wide. A Pallas kernel needs a one-device mesh (XLA does not partition a Pallas
-    call over a mesh): then on TPU the Pallas `ragged_paged_attention` for KERNEL_HEAD_DIM
-    heads, on GPU the Pallas decode kernel; XLA's attention otherwise."""
-    if devices == 1 and platform == "tpu" and head_dim == KERNEL_HEAD_DIM:
-        return CombinedPages()
+    `head_dim` wide. On TPU the Pallas `ragged_paged_attention` for KERNEL_HEAD_DIM heads: on
+    one device, or on each device's heads of a replica `mesh` (its "tp" axis) whose devices
+    divide the `kv_heads`. On GPU the Pallas decode kernel on a one-device replica (XLA does not
+    partition a Pallas call over a mesh). XLA's attention otherwise."""
+    if platform == "tpu" and head_dim == KERNEL_HEAD_DIM:
+        if devices == 1:
+            return CombinedPages()
+        if mesh is not None and kv_heads is not None and kv_heads % devices == 0:
+            return CombinedPages(mesh)
     return GpuPages() if platform == "gpu" and devices == 1 else SplitPages()
