@@ -9,7 +9,9 @@ layer's sliding window (by token position), sinks and soft cap; Gemma4's KV-shar
 their donor's pages. Each KV slot has its page layout: on TPU the Pallas kernel's, attended by
 XLA for layers with sinks or heads the kernel does not take (`slot_layouts`); on TPU the expert
 kernels are padded to whole lanes where their layout would otherwise be copied (`tpu_config`).
-It decodes unscanned; `scan_plan` and `unstack_layers` slice a scanned tree into layers.
+A scanned tree decodes as MaxText stacks it (`scan_plan` finds how), one `lax.scan` over its
+layers in place of MaxText's own layer scan, which has no seat for a pool (`_LayerSeam`);
+`unstack_layers` slices a scanned tree into the unscanned one's layers (tests compare the two).
 """
 
 from __future__ import annotations
