@@ -333,7 +333,6 @@ class CombinedXlaPages(CombinedPages):
     (tokens major) and gathered pages from another copy (`[kv_heads * pages, page * head_dim]`
     rows): 77 of the 86 GiB of temporaries at 6 of Gemma4-26B's layers, over a 65 GiB pool."""
 
-    attend = SplitPages.attend
     attend_shared = SplitPages.attend_shared
     attend_own = SplitPages.attend_own
 
@@ -344,6 +343,15 @@ class CombinedXlaPages(CombinedPages):
     @staticmethod
     def page_size_of(pool) -> int:
         return pool.shape[-3]
+
+    def attend(self, q, pool, tables, kv_lens, q_lens, *, layer=None, **options):
+        """SplitPages' attention over layer `layer`'s pages, sliced before its page-count
+        switch: XLA's TPU gather relays its operand out head-major, and over the stacked pool
+        inside the switch it copied every layer's pages (twice: gpt-oss-20b's 24-layer pool
+        added 10.5 GiB of temporaries), over the slice one layer's."""
+        if layer is not None:
+            pool = jax.lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)
+        return SplitPages.attend(self, q, pool, tables, kv_lens, q_lens, **options)
 
 
 def slot_layouts(layout: Any, layers: list[_LayerAttention]) -> dict[int, Any]:
