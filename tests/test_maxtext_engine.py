@@ -520,3 +520,31 @@ def test_bench_maxtext_models_have_the_jax_engines_shape():
             bench.MODEL.num_layers, bench.MODEL.embed_dim, bench.MODEL.vocab_size)
     with pytest.raises(ValueError, match="add --engine maxtext"):
         bench.run(bench.PROFILES["gsm8k-cpu"], (), maxtext_rev="HEAD")
+
+
+# --- which layers the scan runs ---------------------------------------------------------------
+
+def test_scan_layout_repeats_the_trees_block_and_leaves_the_rest_unrolled():
+    """`scan_layout` of MaxText's stacked trees (`scan_plan`'s layouts): the block is the
+    period of the layers' places, the blocks the layers whose first index counts them; Gemma4's
+    remainder layers and an unscanned tree's layers are left to run unrolled."""
+    from tunix_mcjax.engine.maxtext_scan import scan_layout
+
+    uniform = scan_layout({i: (("decoder", "layers"), (i,)) for i in range(5)}, 5)
+    assert (uniform.block, uniform.blocks, uniform.stacked) == (1, 5, {("decoder", "layers"): 1})
+    kinds = scan_layout({i: (("decoder", "layers", f"layers_{i % 2}"), (i // 2,))
+                         for i in range(6)}, 6)
+    assert (kinds.block, kinds.blocks, kinds.scanned) == (2, 3, 6)
+    local, glob, rest = (("decoder", "scanned_blocks", "local_layers"),
+                         ("decoder", "scanned_blocks", "global_layer"),
+                         ("decoder", "layers_remainder", "local_layers"))
+    gemma4 = {i: ((local, (i // 6, i % 6)) if i % 6 < 5 else (glob, (i // 6,)))
+              for i in range(12)}
+    gemma4.update({12: (rest, (0,)), 13: (rest, (1,))})
+    layout = scan_layout(gemma4, 14)
+    assert (layout.block, layout.blocks, layout.scanned) == (6, 2, 12)
+    assert layout.stacked == {local: 2, glob: 1, rest: 1}
+    assert scan_layout(None, 3).blocks == 0
+    shuffled = {0: (("decoder", "layers"), (1,)), 1: (("decoder", "layers"), (0,))}
+    with pytest.raises(ValueError, match="is not position 0 of block 0"):
+        scan_layout(shuffled, 2)
