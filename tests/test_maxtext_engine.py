@@ -166,10 +166,10 @@ def test_greedy_decode_is_the_full_forwards_argmax(world):
         assert_greedy(out.tokens, steps)
     # Every request took a row of two: five requests, so rows were refilled mid-loop.
     assert world.engine.compile_count == 1
-    # Every family decodes over pages, unscanned: a scanned tree (a uniform stack, gpt-oss's
-    # blocks of two layer kinds, Gemma4's blocks of five local and one global layer) is sliced
-    # into the engine's layers.
-    assert world.engine.unstack == (world.name in ("qwen3", "qwen3_moe", "gpt_oss", "gemma4"))
+    # A scanned tree (a uniform stack, gpt-oss's blocks of two layer kinds, Gemma4's blocks of
+    # five local and one global layer) decodes by one scan over all its layers.
+    scanned = world.name in ("qwen3", "qwen3_moe", "gpt_oss", "gemma4")
+    assert world.engine.scanned_layers == world.config.num_decoder_layers * scanned
 
 
 # Decode well past the sliding window of 8, across pages of 4 tokens, through a pool that holds
@@ -217,17 +217,19 @@ def test_sampled_logprobs_and_per_request_seeds(world):
 
 @pytest.mark.parametrize("world", family_params("qwen3_moe"), indirect=True)
 def test_moe_up_kernels_reach_the_dot_without_a_copy(world):
-    """On CPU the MoE up-kernels are stored [embed, experts, mlp]: the decode program reads
-    them as its dot's [embed, experts * mlp] operand (a bitcast), where MaxText's [experts,
-    embed, mlp] took a copy of every kernel at every step. `weights()` is MaxText's layout."""
+    """On CPU the MoE up-kernels are stored [layers, embed, experts, mlp] (layer-major, as the
+    scan slices them): the decode program reads each layer's slice as its dot's [embed,
+    experts * mlp] operand (a bitcast), where MaxText's [experts, embed, mlp] took a copy of
+    every kernel at every step. `weights()` is MaxText's layout."""
     engine = world.engine
     engine.generate(world.prompts[:1], GREEDY, seed=0)
     moved = sorted(engine._minor_paths)
-    assert [p[-1] for p in moved] == ["wi_0", "wi_1"] * world.config.num_decoder_layers
-    experts, embed, mlp = engine._leaf_specs[moved[0]].shape
-    assert engine._params[0][moved[0]].shape == (embed, experts, mlp)
-    stored, operand = f"[{embed},{experts},{mlp}]", f"[{embed},{experts * mlp}]"
-    kernel_shapes = {operand, stored, f"[{experts},{embed},{mlp}]"}
+    assert [p[-1] for p in moved] == ["wi_0", "wi_1"]  # one stack each
+    experts, layers, embed, mlp = engine._leaf_specs[moved[0]].shape  # MaxText's stack
+    assert engine._params[0][moved[0]].shape == (layers, embed, experts, mlp)
+    stored, operand = f"[{layers},{embed},{experts},{mlp}]", f"[{embed},{experts * mlp}]"
+    layer, maxtext = f"[1,{embed},{experts},{mlp}]", f"[{experts},{embed},{mlp}]"
+    kernel_shapes = {operand, stored, layer, maxtext}
     assert engine._programs
     for program in engine._programs.values():
         ops = collections.Counter()
@@ -239,17 +241,16 @@ def test_moe_up_kernels_reach_the_dot_without_a_copy(world):
                     op == "fusion" and ("copy" in name or "transpose" in name))
                 assert not moves, line
                 ops[made[2], op] += 1
-        # Every up-kernel enters in its stored layout and reaches its dot as a bitcast: the
-        # scan above saw each of them (a format it cannot read finds none and fails here).
-        assert ops[stored, "parameter"] == len(moved), ops
-        assert ops[operand, "bitcast"] >= len(moved), ops
+        # Every up-kernel stack enters in its stored layout, and each layer's slice reaches its
+        # dot as a bitcast: the scan above saw them (a format it cannot read finds none).
+        assert ops[stored, "parameter"] >= len(moved), ops
+        assert ops[layer, "dynamic-slice"] + ops[operand, "fusion"] >= len(moved), ops
+        assert ops[operand, "bitcast"] + ops[operand, "fusion"] >= len(moved), ops
     trainer = policy.maxtext_tree(world.params)["decoder"]
     served = engine.weights()["decoder"]
-    for layer in range(world.config.num_decoder_layers):
-        for name in MOE_UP_KERNELS:
-            np.testing.assert_array_equal(
-                served[f"layers_{layer}"]["moe_block"][name],
-                np.asarray(trainer["layers"]["moe_block"][name])[:, layer])
+    for name in MOE_UP_KERNELS:
+        np.testing.assert_array_equal(served["layers"]["moe_block"][name],
+                                      np.asarray(trainer["layers"]["moe_block"][name]))
 
 
 @pytest.mark.parametrize("world", family_params("qwen3"), indirect=True)
@@ -300,18 +301,18 @@ def test_load_weights_changes_the_output(world):
 def test_publish_loads_the_trainers_replicated_params_in_place(world):
     """As the runtime publishes: FSDP params resharded to replicated over the trainer's mesh,
     loaded under that mesh, in one call (O4) or one leaf at a time; each local device's copy
-    is sliced into the engine's unscanned layers on that device."""
+    is held layer-major on that device."""
     expected = world.engine.generate(world.prompts, GREEDY, seed=0)
     engine = MaxTextEngine(world.config, jax.local_devices()[:2], pad_id=0, eos_ids=(),
                            max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2)
-    assert engine.unstack and engine.num_replicas == 2
+    assert engine.scanned_layers == 2 and engine.num_replicas == 2
     for single_call in (True, False):
         publisher = Publisher(world.mesh, single_call)
         publisher.publish(policy.maxtext_tree(world.params), engine)
         got = engine.generate(world.prompts, GREEDY, seed=0)
         for a, b in zip(got, expected, strict=True):
             np.testing.assert_array_equal(a.tokens, b.tokens)
-        layer = engine.weights(1)["decoder"]["layers_1"]["mlp"]["wi_0"]["kernel"]
+        layer = engine.weights(1)["decoder"]["layers"]["mlp"]["wi_0"]["kernel"]
         assert layer.devices() == {jax.local_devices()[1]}
 
 
@@ -378,14 +379,19 @@ def assert_same_samples(world, engine, seed: int = 5):
 
 @pytest.mark.parametrize("world", family_params("qwen3"), indirect=True)
 def test_a_pool_of_mixed_page_layouts_samples_as_split_pages(world, monkeypatch):
-    """Layer 0's pages in the TPU layout, layer 1's in SplitPages: the samples are those of
-    an all-SplitPages pool."""
-    engine = engine_with_layouts(world, monkeypatch, {0: XlaCombinedPages(), 1: pa.SplitPages()})
+    """Unscanned, layer 0's pages in the TPU layout, layer 1's in SplitPages: the samples are
+    those of an all-SplitPages pool. Scanned, one layer body writes every layer's pages, so
+    their layouts must agree: mixed ones are refused."""
+    mixed = {0: XlaCombinedPages(), 1: pa.SplitPages()}
+    with pytest.raises(ValueError, match="give a block position's layers one layout"):
+        engine_with_layouts(world, monkeypatch, mixed)
+    unscanned = World("qwen3", ("scan_layers=false",))
+    engine = engine_with_layouts(unscanned, monkeypatch, mixed)
     [model] = engine._models.values()
     assert [type(model.layouts[s]) for s in (0, 1)] == [XlaCombinedPages, pa.SplitPages]
     pool = engine._pool(0)
-    assert pool[0].ndim == 4 and isinstance(pool[1], tuple)  # [P, page, 2K, H]; (k, v)
-    assert_same_samples(world, engine)
+    assert pool[0].ndim == 5 and isinstance(pool[1], tuple)  # [1, P, page, 2K, H]; (k, v)
+    assert_same_samples(unscanned, engine)
 
 
 @pytest.mark.parametrize("world", family_params("gpt_oss"), indirect=True)
@@ -428,7 +434,7 @@ def test_moe_kernels_padded_as_on_tpu_sample_as_unpadded(world, monkeypatch):
                            page_size=PAGE)
     engine.load_weights(policy.maxtext_tree(world.params))
     held = {path: leaf.shape for path, leaf in engine._params[0].items()
-            if path[-1] in maxtext_model.MOE_MLP_AXIS and leaf.ndim == 3}
+            if path[-1] in maxtext_model.MOE_MLP_AXIS and leaf.ndim == 4}  # [layers, ...]
     assert held and all(64 in shape and 32 not in shape for shape in held.values()), held
     given = flatten_tree(engine.weights())
     assert all(given[path].shape == engine._leaf_specs[path].shape for path in held)
@@ -514,3 +520,31 @@ def test_bench_maxtext_models_have_the_jax_engines_shape():
             bench.MODEL.num_layers, bench.MODEL.embed_dim, bench.MODEL.vocab_size)
     with pytest.raises(ValueError, match="add --engine maxtext"):
         bench.run(bench.PROFILES["gsm8k-cpu"], (), maxtext_rev="HEAD")
+
+
+# --- which layers the scan runs ---------------------------------------------------------------
+
+def test_scan_layout_repeats_the_trees_block_and_leaves_the_rest_unrolled():
+    """`scan_layout` of MaxText's stacked trees (`scan_plan`'s layouts): the block is the
+    period of the layers' places, the blocks the layers whose first index counts them; Gemma4's
+    remainder layers and an unscanned tree's layers are left to run unrolled."""
+    from tunix_mcjax.engine.maxtext_scan import scan_layout
+
+    uniform = scan_layout({i: (("decoder", "layers"), (i,)) for i in range(5)}, 5)
+    assert (uniform.block, uniform.blocks, uniform.stacked) == (1, 5, {("decoder", "layers"): 1})
+    kinds = scan_layout({i: (("decoder", "layers", f"layers_{i % 2}"), (i // 2,))
+                         for i in range(6)}, 6)
+    assert (kinds.block, kinds.blocks, kinds.scanned) == (2, 3, 6)
+    local, glob, rest = (("decoder", "scanned_blocks", "local_layers"),
+                         ("decoder", "scanned_blocks", "global_layer"),
+                         ("decoder", "layers_remainder", "local_layers"))
+    gemma4 = {i: ((local, (i // 6, i % 6)) if i % 6 < 5 else (glob, (i // 6,)))
+              for i in range(12)}
+    gemma4.update({12: (rest, (0,)), 13: (rest, (1,))})
+    layout = scan_layout(gemma4, 14)
+    assert (layout.block, layout.blocks, layout.scanned) == (6, 2, 12)
+    assert layout.stacked == {local: 2, glob: 1, rest: 1}
+    assert scan_layout(None, 3).blocks == 0
+    shuffled = {0: (("decoder", "layers"), (1,)), 1: (("decoder", "layers"), (0,))}
+    with pytest.raises(ValueError, match="is not position 0 of block 0"):
+        scan_layout(shuffled, 2)

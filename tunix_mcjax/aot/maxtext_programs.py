@@ -4,11 +4,12 @@ script's keys (`python -m tunix_mcjax.aot run_gptoss_20b_rl --topology v5p:2x4x4
 The script's command is read from the installed script (`maxtext.recipes.script_command`) and
 checked as a run checks it (`maxtext.checked_config`); `key=value` overrides follow it. The
 program is `decode_loop.build_program` over `MaxTextPagedModel` (MaxText's training forward,
-unscanned, our paged attention) for one replica on the first `rollout_tensor_parallelism`
-devices, at a full share of the step's rollouts, as the engine runs it on TPU: pages in
-`CombinedPages` (JAX's Pallas `ragged_paged_attention`), or `CombinedXlaPages` (the same pages
-attended by XLA) for layers with attention sinks (gpt-oss) or heads other than 128 wide
-(Gemma4); MoE kernels padded as `maxtext_model.tpu_config` pads them.
+its layers scanned as the script's tree stacks them, our paged attention) for one replica on
+the first `rollout_tensor_parallelism` devices, at a full share of the step's rollouts, as the
+engine runs it on TPU: pages in `CombinedPages` (JAX's Pallas `ragged_paged_attention`), or
+`CombinedXlaPages` (the same pages attended by XLA) for layers with attention sinks (gpt-oss)
+or heads other than 128 wide (Gemma4); MoE kernels padded as `maxtext_model.tpu_config` pads
+them.
 """
 
 from __future__ import annotations
@@ -32,8 +33,10 @@ from tunix_mcjax.engine.maxtext_model import (
     decode_config,
     local_mesh,
     param_specs,
+    scan_plan,
     tpu_config,
 )
+from tunix_mcjax.engine.maxtext_scan import layer_major_shape, scan_layout, stacked_count
 from tunix_mcjax.engine.paged_attention import CombinedPages
 from tunix_mcjax.engine.sampling import SamplerSpec
 from tunix_mcjax.runtime.phases import sampling_params
@@ -52,18 +55,25 @@ def script_configs(name: str, overrides: list[str], hosts: int) -> tuple[Any, Co
 
 def engine_config(config: Any, cfg: Config) -> Any:
     """The engine's MaxText config on TPU, as `MaxTextEngine._model_config` makes it
-    (unscanned, no remat, MoE kernels padded as `tpu_config` pads them)."""
+    (the script's scan_layers, no remat, MoE kernels padded as `tpu_config` pads them)."""
     config = decode_config(config, batch=1, prompt_len=cfg.max_prefill_predict_length,
                            max_new=cfg.max_completion_length,
                            weight_dtype=cfg.rollout_weight_dtype or None)
-    return tpu_config(config.model_copy(update={"remat_policy": "none", "scan_layers": False}))
+    return tpu_config(config.model_copy(update={"remat_policy": "none"}))
 
 
 def engine_params(config: Any, mesh) -> tuple[dict, int]:
-    """(MaxText's unscanned param tree as sharded ShapeDtypeStructs, its bytes per device)."""
+    """(MaxText's param tree as the engine holds it, stacked leaves layer-major
+    (`maxtext_scan.layer_major`), as sharded ShapeDtypeStructs; its bytes per device)."""
+    stacked = scan_layout(scan_plan(config, mesh), config.num_decoder_layers).stacked
+    axis = config.param_scan_axis
     tree: dict[Any, Any] = {}
     per_device = 0
-    for keys, shape, dtype, spec in param_specs(config, mesh).values():
+    for path, (keys, shape, dtype, spec) in param_specs(config, mesh).items():
+        count = stacked_count(path, stacked)
+        axes = (*spec, *[None] * (len(shape) - len(spec)))
+        shape, spec = layer_major_shape(shape, axis, count), P(*layer_major_shape(axes, axis,
+                                                                                  count))
         leaf = sds(shape, dtype, NamedSharding(mesh, spec))
         per_device += int(np.prod(leaf.sharding.shard_shape(shape))) * np.dtype(dtype).itemsize
         node = tree
@@ -74,10 +84,8 @@ def engine_params(config: Any, mesh) -> tuple[dict, int]:
 
 
 def pool_shapes(model: MaxTextPagedModel, num_pages: int, page_size: int) -> list[Any]:
-    """The engine's pool (a list over KV slots) as sharded ShapeDtypeStructs."""
-    made = jax.eval_shape(lambda: [
-        model.layouts[slot].empty(num_pages, page_size, *model.slot_shapes[slot], model.dtype)
-        for slot in sorted(model.slot_shapes)])
+    """The engine's pool (a list over stacks of KV slots) as sharded ShapeDtypeStructs."""
+    made = jax.eval_shape(lambda: model.make_pool(num_pages, page_size))
     shardings = [NamedSharding(model.mesh, spec) for spec in model.pool_specs()]
     return [jax.tree.map(lambda x, s=sharding: sds(x.shape, x.dtype, s), layer)
             for layer, sharding in zip(made, shardings, strict=True)]
@@ -106,6 +114,7 @@ def engine_loop(config: Any, cfg: Config, target: Target) -> tuple[Program, dict
              "num_slots": shape.num_slots, "num_requests": shape.num_requests,
              "prompt_len": shape.prompt_len, "max_new": shape.max_new,
              "page_size": shape.page_size, "tensor_parallelism": tp, "page_layouts": layouts,
-             "layers": engine_cfg.num_decoder_layers, "dtype": str(jnp.dtype(model.dtype))}
+             "layers": engine_cfg.num_decoder_layers, "scanned_layers": model.scan.scanned,
+             "dtype": str(jnp.dtype(model.dtype))}
     return Program("maxtext engine decode loop", "generate", lowered,
                    (params, pool, inputs), None), facts

@@ -3,9 +3,10 @@
 It decodes any family MaxText trains (dense Qwen3, Qwen3 MoE, gpt-oss, Gemma4) with the trainer's
 own param tree, no per-family weight mapping, driven by the same paged decode loop, sampler,
 seeds, stop handling, continuous batching and DP replicas as the JAX engine, on meshes over this
-host's devices only. The model is `maxtext_model.MaxTextPagedModel`: MaxText's training forward,
-unscanned, with our paged attention in place of each layer's `AttentionOp`, so sliding windows
-apply by token position and sequences may be longer than a window.
+host's devices only. The model is `maxtext_model.MaxTextPagedModel`: MaxText's training forward
+with our paged attention in place of each layer's `AttentionOp`, so sliding windows apply by
+token position and sequences may be longer than a window; a scanned tree is decoded as it is
+stacked, one `lax.scan` over its layers, so the program does not grow with depth.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from tunix_mcjax.engine.maxtext_model import (
     MOE_UP_KERNELS,
     MaxTextPagedModel,
     decode_config,
-    expert_major,
+    expert_major_leaf,
     expert_minor,
     local_mesh,
     pad_axis,
@@ -30,21 +31,27 @@ from tunix_mcjax.engine.maxtext_model import (
     param_specs,
     scan_plan,
     tpu_config,
-    unstack_layers,
+)
+from tunix_mcjax.engine.maxtext_scan import (
+    layer_major,
+    layer_major_shape,
+    scan_axis_major,
+    scan_layout,
+    stacked_count,
 )
 from tunix_mcjax.engine.options import EngineOptions, options_of
 from tunix_mcjax.engine.paged_attention import layout_for
-from tunix_mcjax.engine.trees import LeafPath, flatten_tree, unflatten_tree
+from tunix_mcjax.engine.trees import LeafPath, flatten_tree
 
 
 class MaxTextEngine(JaxEngine):
     """`JaxEngine`'s loop over MaxText's model. `model_config` is the trainer's MaxText config;
     `load_weights` takes its param tree (the Tunix adapter's `base`, as a nested dict).
     `weight_dtype` (float32 | bfloat16; None: the config's) is the engine's copy of the weights.
-    The engine decodes unscanned: a scanned tree (a uniform stack, gpt-oss's blocks of two layer
-    kinds, Gemma4's blocks of five local and one global layer: `maxtext_model.scan_plan`) is
-    sliced into its layers, each on the devices that hold the trainer's copy. On CPU that
-    decodes about twice as fast as MaxText's scan (README).
+    A scanned tree (a uniform stack, gpt-oss's blocks of two layer kinds, Gemma4's blocks of
+    five local and one global layer: `maxtext_model.scan_plan`) is held as MaxText stacks it,
+    each stacked leaf layer-major (`maxtext_scan.layer_major`: a layer is one contiguous slice),
+    and decoded by one layer scan; `weights()` gives MaxText's layout back.
     """
 
     # MaxText's model is built for its batch (`decode_config`), and a MoE's expert capacity
@@ -62,8 +69,8 @@ class MaxTextEngine(JaxEngine):
                              "decoding (rl_runtime=single) is the jax engine's")
         self.weight_dtype = weight_dtype or None
         self.record_routing = record_routing  # Completion.routing (patches/maxtext/0004)
-        self.unstack = False  # set by _param_specs, once the replica meshes exist
-        self.plan = None  # scan_plan of the trainer's tree, set by _param_specs
+        self.scanned_layers = 0  # how many layers the scan runs, set by _param_specs
+        self._stacked: dict[LeafPath, int] = {}  # stacked axes of each stacked leaf
         self._models: dict[int, MaxTextPagedModel] = {}
         self._minor_paths: set[LeafPath] = set()  # MoE up-kernels kept expert-minor on CPU
         self._minor_keys: set[tuple] = set()  # the same, as MaxText's param keys
@@ -85,10 +92,7 @@ class MaxTextEngine(JaxEngine):
         config = decode_config(self.model_config, batch=1, prompt_len=prompt_len,
                                max_new=max_new, weight_dtype=self.weight_dtype)
         # No gradients here; remat would also wall the paged attention's pool writes in.
-        update: dict[str, Any] = {"remat_policy": "none"}
-        if self.unstack:
-            update["scan_layers"] = False
-        return config.model_copy(update=update)
+        return config.model_copy(update={"remat_policy": "none"})
 
     def _model_config(self) -> Any:
         """The decode model's config: `_config`, its MoE kernels padded on TPU
@@ -100,56 +104,85 @@ class MaxTextEngine(JaxEngine):
         """JaxEngine's, with the zeros that pad MoE kernels on TPU."""
         padding = 0
         for path, (axis, width) in self._padded.items():
-            shape, dtype = self._leaf_specs[path].shape, self._leaf_specs[path].dtype
+            shape = self._stored_shape(path)
             padding += (int(np.prod(shape)) // shape[axis] * (width - shape[axis])
-                        * np.dtype(dtype).itemsize)
+                        * np.dtype(self._leaf_specs[path].dtype).itemsize)
         return super()._weight_bytes(tp) + padding // tp
 
+    def _stored_shape(self, path: LeafPath) -> tuple[int, ...]:
+        """A leaf's shape as the engine holds it: layer-major, expert-minor on CPU, unpadded."""
+        count = self._stacked.get(path, 0)
+        shape = layer_major_shape(self._leaf_specs[path].shape,
+                                  self.model_config.param_scan_axis, count)
+        if path in self._minor_paths:
+            shape = (*shape[:count], shape[count + 1], shape[count], *shape[count + 2:])
+        return shape
+
     def _param_specs(self, tp: int) -> dict[LeafPath, _LeafSpec]:
-        self.plan = scan_plan(self._config(), self.meshes[0])
-        if self.model_config.scan_layers and self.plan is None:
+        config = self._config()
+        plan = scan_plan(config, self.meshes[0])
+        if config.scan_layers and plan is None:
             raise ValueError(
                 f"the maxtext engine does not know how {self.model_config.model_name}'s scanned "
                 "layers stack its unscanned ones (maxtext_model.scan_plan); set "
                 "scan_layers=false")
-        self.unstack = self.plan is not None
-        specs = param_specs(self._config(), self.meshes[0])
+        layout = scan_layout(plan, config.num_decoder_layers)
+        self.scanned_layers = layout.scanned
+        specs = param_specs(config, self.meshes[0])
         self._keys = {path: keys for path, (keys, *_) in specs.items()}
+        self._stacked = {path: n for path in specs
+                         if (n := stacked_count(path, layout.stacked))}
         platform = self.meshes[0].devices.flat[0].platform
         if platform in self.PAD_MOE_PLATFORMS:
-            self._padded = padded_kernels(specs, self._config())
+            self._padded = padded_kernels(specs, config, self._stacked)
         if platform == "cpu":
             self._minor_paths = {path for path, (_, shape, *_) in specs.items()
-                                  if path[-1] in MOE_UP_KERNELS and len(shape) == 3}
+                                 if path[-1] in MOE_UP_KERNELS
+                                 and len(shape) - self._stacked.get(path, 0) == 3}
             self._minor_keys = {self._keys[path] for path in self._minor_paths}
         return {path: _LeafSpec(shape, dtype, partition)
                 for path, (_, shape, dtype, partition) in specs.items()}
 
     def load_weights(self, params: Any) -> None:
-        """The trainer's tree; a scanned tree is sliced into the engine's layers."""
-        if self.unstack:
-            params = unflatten_tree(unstack_layers(flatten_tree(params), self.plan,
-                                                   self.model_config.param_scan_axis))
+        """The trainer's tree, scanned or not; each leaf is then held as `_held` lays it out."""
         super().load_weights(params)
-        loaded = set(flatten_tree(params))
-        moved, padded = self._minor_paths & loaded, self._padded.keys() & loaded
+        loaded = list(flatten_tree(params))
         for mesh, replica_params in zip(self.meshes, self._params, strict=True):
             with jax.set_mesh(mesh):  # not the trainer's mesh a publish may run under
-                for path in moved:
-                    replica_params[path] = expert_minor(replica_params[path])
-                for path in padded:
-                    replica_params[path] = pad_axis(replica_params[path], *self._padded[path])
+                for path in loaded:
+                    replica_params[path] = self._held(path, replica_params[path])
+
+    def _held(self, path: LeafPath, leaf: jax.Array) -> jax.Array:
+        """A leaf in MaxText's layout as the engine holds it: stacked axes in front, MoE
+        up-kernels expert-minor on CPU, expert kernels padded on TPU."""
+        count = self._stacked.get(path, 0)
+        if count:
+            leaf = layer_major(leaf, self.model_config.param_scan_axis, count)
+        if path in self._minor_paths:
+            leaf = expert_minor(leaf, count)
+        if path in self._padded:
+            leaf = pad_axis(leaf, *self._padded[path])
+        return leaf
+
+    def _maxtext_leaf(self, path: LeafPath, leaf: jax.Array) -> jax.Array:
+        """`_held` undone."""
+        count = self._stacked.get(path, 0)
+        if path in self._padded:
+            axis = self._padded[path][0]
+            leaf = jax.lax.slice_in_dim(leaf, 0, self._stored_shape(path)[axis], axis=axis)
+        if path in self._minor_paths:
+            leaf = expert_major_leaf(leaf, count)
+        if count:
+            leaf = scan_axis_major(leaf, self.model_config.param_scan_axis, count)
+        return leaf
 
     def _param_store(self) -> dict[LeafPath, Any]:
         return {}
 
     def weights(self, replica: int = 0) -> dict[str, Any]:
-        """The param tree replica `replica` decodes with, in MaxText's layout (unpadded)."""
-        flat = dict(self._params[replica])
-        for path, (axis, _) in self._padded.items():
-            flat[path] = jax.lax.slice_in_dim(flat[path], 0, self._leaf_specs[path].shape[axis],
-                                              axis=axis)
-        return expert_major(self._tree(flat), self._minor_keys)
+        """The param tree replica `replica` decodes with, in MaxText's layout."""
+        return self._tree({path: self._maxtext_leaf(path, leaf)
+                           for path, leaf in self._params[replica].items()})
 
     def _decode_model(self, mesh: Mesh) -> MaxTextPagedModel:
         key = id(mesh)

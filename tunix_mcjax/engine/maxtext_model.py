@@ -9,7 +9,9 @@ layer's sliding window (by token position), sinks and soft cap; Gemma4's KV-shar
 their donor's pages. Each KV slot has its page layout: on TPU the Pallas kernel's, attended by
 XLA for layers with sinks or heads the kernel does not take (`slot_layouts`); on TPU the expert
 kernels are padded to whole lanes where their layout would otherwise be copied (`tpu_config`).
-It decodes unscanned; `scan_plan` and `unstack_layers` slice a scanned tree into layers.
+A scanned tree decodes as MaxText stacks it (`scan_plan` finds how), one `lax.scan` over its
+layers in place of MaxText's own layer scan, which has no seat for a pool (`_LayerSeam`);
+`unstack_layers` slices a scanned tree into the unscanned one's layers (tests compare the two).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import Mesh, PartitionSpec
 
+from tunix_mcjax.engine.maxtext_scan import scan_layout, subtree, take
 from tunix_mcjax.engine.paged_attention import KERNEL_HEAD_DIM, CombinedPages, SplitPages
 
 DECODER, STACKED_LAYERS, LAYER_PREFIX = "decoder", "layers", "layers_"
@@ -157,12 +160,6 @@ def scan_plan(config: Any, mesh: Mesh) -> ScanPlan | None:
     return None
 
 
-def stacked_layers(config: Any, mesh: Mesh) -> bool:
-    """Whether the scanned tree is a uniform stack of the unscanned one."""
-    plan = scan_plan(config, mesh)
-    return plan is not None and plan[0][0] == (DECODER, STACKED_LAYERS)
-
-
 def _layer_slice(leaf: Any, index: int, axis: int) -> Any:
     """Layer `index` of a stacked leaf, per device: a replicated jax Array stays a full copy
     on each of its local devices (no gather)."""
@@ -209,24 +206,27 @@ def unstack_layers(flat: dict[tuple[str, ...], Any], plan: ScanPlan,
 
 class _PagedCall:
     """What one forward of `MaxTextPagedModel` shares with its layers' attention: the rows, each
-    KV slot's page layout, and the pool (a list over KV slots), which each writing layer
-    replaces."""
+    pool stack's page layout, and the pool (a list over stacks), which each writing layer
+    replaces; and, with routing recorded, the experts of every MoE layer once they ran."""
 
     def __init__(self, layouts: list[Any], pool: list[Any], rows: Any):
         self.layouts, self.pool, self.rows = layouts, list(pool), rows
+        self.routing: jax.Array | None = None
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)
 class PagedAttentionOp:
     """Stands in for one layer's MaxText `AttentionOp` (called as MaxText's training forward
     calls it, on the layer's rotated, normed and scaled q/k/v): writes the layer's new keys and
     values into its pages, unless the layer reads a donor's (Gemma4's KV-shared layers), and
     attends over the pages as `AttentionOp` does in training: causal, its sliding window by
-    token position (LOCAL_SLIDING layers), its sinks, no further score scale. A frozen
+    token position (LOCAL_SLIDING layers), its sinks, no further score scale. Its pages are
+    layer `index` (an int, or traced inside the layer scan) of pool stack `stack`. A frozen
     dataclass, so that nnx keeps it in the layer's graph as a static attribute."""
 
     call: _PagedCall
-    slot: int
+    stack: int
+    index: Any
     writes: bool
     window: int | None
     soft_cap: float | None
@@ -235,13 +235,14 @@ class PagedAttentionOp:
                  model_mode=None, cached_values=None, previous_chunk=None,
                  bidirectional_mask=None, sinks=None, **unused: Any):
         call, rows = self.call, self.call.rows
-        layer, layout = call.pool[self.slot], call.layouts[self.slot]
+        pool, layout = call.pool[self.stack], call.layouts[self.stack]
         if self.writes:
-            layer = layout.write(layer, rows.write_pages, rows.write_offsets, key, value)
-            call.pool[self.slot] = layer
-        out = layout.attend(query, layer, rows.tables, rows.kv_lens, rows.q_lens,
-                                 prefix=rows.prefix, window=self.window, sinks=sinks, scale=1.0,
-                                 soft_cap=self.soft_cap)
+            pool = layout.write(pool, rows.write_pages, rows.write_offsets, key, value,
+                                layer=self.index)
+            call.pool[self.stack] = pool
+        out = layout.attend(query, pool, rows.tables, rows.kv_lens, rows.q_lens,
+                            prefix=rows.prefix, window=self.window, sinks=sinks, scale=1.0,
+                            soft_cap=self.soft_cap, layer=self.index)
         return out.astype(query.dtype)
 
 
@@ -332,7 +333,6 @@ class CombinedXlaPages(CombinedPages):
     (tokens major) and gathered pages from another copy (`[kv_heads * pages, page * head_dim]`
     rows): 77 of the 86 GiB of temporaries at 6 of Gemma4-26B's layers, over a 65 GiB pool."""
 
-    attend = SplitPages.attend
     attend_shared = SplitPages.attend_shared
     attend_own = SplitPages.attend_own
 
@@ -343,6 +343,15 @@ class CombinedXlaPages(CombinedPages):
     @staticmethod
     def page_size_of(pool) -> int:
         return pool.shape[-3]
+
+    def attend(self, q, pool, tables, kv_lens, q_lens, *, layer=None, **options):
+        """SplitPages' attention over layer `layer`'s pages, sliced before its page-count
+        switch: XLA's TPU gather relays its operand out head-major, and over the stacked pool
+        inside the switch it copied every layer's pages (twice: gpt-oss-20b's 24-layer pool
+        added 10.5 GiB of temporaries), over the slice one layer's."""
+        if layer is not None:
+            pool = jax.lax.dynamic_index_in_dim(pool, layer, 0, keepdims=False)
+        return SplitPages.attend(self, q, pool, tables, kv_lens, q_lens, **options)
 
 
 def slot_layouts(layout: Any, layers: list[_LayerAttention]) -> dict[int, Any]:
@@ -384,14 +393,18 @@ def tpu_config(config: Any) -> Any:
         update={"padded_base_moe_mlp_dim": padded})
 
 
-def padded_kernels(specs: dict, config: Any) -> dict[tuple, tuple[int, int]]:
+def padded_kernels(specs: dict, config: Any,
+                   stacked: dict[tuple, int] | None = None) -> dict[tuple, tuple[int, int]]:
     """{path: (mlp axis, padded width)} of the expert kernels in `specs` (`param_specs` of
-    MaxText's unpadded `config`) that the engine pads on TPU."""
+    MaxText's unpadded `config`) that the engine pads on TPU; the axis is the engine's, whose
+    leaves have their `stacked[path]` stacked axes in front (`maxtext_scan.layer_major`)."""
     padded = tpu_moe_mlp_dim(config)
     if padded is None:
         return {}
-    return {path: (MOE_MLP_AXIS[path[-1]], padded) for path, (_, shape, *_) in specs.items()
-            if path[-1] in MOE_MLP_AXIS and len(shape) == 3}
+    stacked = stacked or {}
+    return {path: (stacked.get(path, 0) + MOE_MLP_AXIS[path[-1]], padded)
+            for path, (_, shape, *_) in specs.items()
+            if path[-1] in MOE_MLP_AXIS and len(shape) - stacked.get(path, 0) == 3}
 
 
 @functools.partial(jax.jit, static_argnums=(1, 2))
@@ -409,25 +422,32 @@ def pad_axis(kernel: jax.Array, axis: int, width: int) -> jax.Array:
 MOE_UP_KERNELS = ("wi_0", "wi_1")
 
 
-@jax.jit
-def expert_minor(kernel: jax.Array) -> jax.Array:
-    """[experts, embed, mlp] -> [embed, experts, mlp]."""
-    return jnp.moveaxis(kernel, 1, 0)
+@functools.partial(jax.jit, static_argnums=1)
+def expert_minor(kernel: jax.Array, stacked: int = 0) -> jax.Array:
+    """[(stacked axes,) experts, embed, mlp] -> [(stacked axes,) embed, experts, mlp]."""
+    return jnp.moveaxis(kernel, stacked + 1, stacked)
 
 
-def expert_major(params: dict, paths: set[tuple]) -> dict:
-    """`params` with the leaves at `paths` (stored [embed, experts, mlp]) viewed in MaxText's
-    [experts, embed, mlp]: inside the decode program the transpose is the dot's operand layout,
-    not a copy."""
+@functools.partial(jax.jit, static_argnums=1)
+def expert_major_leaf(kernel: jax.Array, stacked: int = 0) -> jax.Array:
+    """`expert_minor` undone."""
+    return jnp.moveaxis(kernel, stacked, stacked + 1)
+
+
+def expert_major(params: dict, paths: set[tuple], prefix: tuple = ()) -> dict:
+    """`params` (the subtree at `prefix`) with the leaves at `paths` (stored [embed, experts,
+    mlp]) viewed in MaxText's [experts, embed, mlp]: inside the decode program the transpose is
+    the dot's operand layout, not a copy. Paths compare as strings."""
     if not paths:
         return params
+    paths = {tuple(map(str, path)) for path in paths}
 
-    def view(node: Any, prefix: tuple) -> Any:
+    def view(node: Any, at: tuple) -> Any:
         if not isinstance(node, dict):
-            return jnp.moveaxis(node, 0, 1) if prefix in paths else node
-        return {k: view(v, (*prefix, k)) for k, v in node.items()}
+            return jnp.moveaxis(node, 0, 1) if at in paths else node
+        return {k: view(v, (*at, str(k))) for k, v in node.items()}
 
-    return view(params, ())
+    return view(params, tuple(map(str, prefix)))
 
 
 def routed_moes(model: nnx.Module) -> list[nnx.Module]:
@@ -455,31 +475,102 @@ def recorded_routing(moes: list[nnx.Module]) -> jax.Array:
     return jnp.stack([moe.routed_experts.get_value()[0] for moe in moes], axis=2)
 
 
+def same_layer(a: Any, b: Any) -> bool:
+    """Whether two layers' graphdefs describe the same module: equal but for the init
+    functions each layer was built with (closures made per layer, equal in what they do)."""
+    if a.nodes != b.nodes or len(a.attributes) != len(b.attributes):
+        return False
+    for (key_a, value_a), (key_b, value_b) in zip(a.attributes, b.attributes, strict=True):
+        if key_a != key_b:
+            return False
+        if value_a == value_b:
+            continue
+        fn_a, fn_b = (getattr(v, "value", v) for v in (value_a, value_b))
+        fn_a, fn_b = (getattr(f, "func", f) for f in (fn_a, fn_b))  # functools.partial
+        if not (callable(fn_a) and callable(fn_b)
+                and getattr(fn_a, "__qualname__", 0) == getattr(fn_b, "__qualname__", 1)):
+            return False
+    return True
+
+
+def modules_of(layer: nnx.Module, kind: type) -> list[nnx.Module]:
+    """The modules of class `kind` in one layer, in graph order."""
+    return [node for _, node in nnx.iter_graph(layer) if isinstance(node, kind)]
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolStack:
+    """One array of the pool: `count` layers' pages in `layout`, kv heads x head dim each."""
+
+    layout: Any
+    kv_heads: int
+    head_dim: int
+    count: int
+
+
+def pool_stacks(layers: list[_LayerAttention], layouts: dict[int, Any]
+                ) -> tuple[list[PoolStack], list[tuple[int, int]]]:
+    """The pool's stacks, one per (kv heads, head dim, layout) in layer order, and each
+    layer's pages in them: (stack, index) of its own KV slot or its donor's."""
+    kinds: dict[tuple, int] = {}
+    counts: list[int] = []
+    place_of: dict[int, tuple[int, int]] = {}
+    for a in layers:
+        if not a.writes:
+            continue
+        layout = layouts[a.slot]
+        kind = (a.kv_heads, a.head_dim, type(layout), tuple(sorted(vars(layout).items())))
+        stack = kinds.setdefault(kind, len(kinds))
+        if stack == len(counts):
+            counts.append(0)
+        place_of[a.slot] = (stack, counts[stack])
+        counts[stack] += 1
+    stacks = [None] * len(kinds)
+    for (heads, head_dim, *_), stack in kinds.items():
+        layout = next(layouts[s] for s, (k, _) in place_of.items() if k == stack)
+        stacks[stack] = PoolStack(layout, heads, head_dim, counts[stack])
+    return stacks, [place_of[a.slot] for a in layers]
+
+
 class MaxTextPagedModel:
     """MaxText's model as the paged loop's `DecodeModel`: its training forward (MODEL_MODE_TRAIN,
-    no cache variables, MaxText's own projections, norms, RoPE, MoE and output head), unscanned,
-    with each layer's `AttentionOp` replaced by `PagedAttentionOp` over our page pool. The
-    pool is a list over KV slots (one per layer, KV-shared layers read their donor's), each in
-    its layout (`slot_layouts` of `layout`; `layouts`, {slot: layout}, sets them instead), with
-    that layer's kv heads and head dim (Gemma4's global layers differ); kv heads split over
-    "tensor" where they divide. With `record_routing`, each call also returns the experts every
-    token went to (`routing_shape`: MoE layers, top-k)."""
+    no cache variables, MaxText's own projections, norms, RoPE, MoE and output head), with each
+    layer's `AttentionOp` replaced by `PagedAttentionOp` over our page pool.
+
+    A scanned tree (`scan_plan`) is decoded as it is stacked, its leaves held layer-major
+    (`maxtext_scan.layer_major`): one `lax.scan` runs a block of layers per iteration (one
+    layer of a uniform stack, gpt-oss's two kinds, Gemma4's five local and one global), each
+    the unscanned model's layer module over that iteration's slice of the stacks, in place of
+    MaxText's own layer scan; Gemma4's remainder layers run unrolled after it. An unscanned
+    tree runs MaxText's unscanned forward. Each KV slot (one per layer; KV-shared layers read
+    their donor's) has its layout (`slot_layouts` of `layout`; `layouts`, {slot: layout}, sets
+    them instead) and that layer's kv heads and head dim (Gemma4's global layers differ); the
+    pool stacks the slots of one kind (`pool_stacks`) and is carried through the scan, each
+    layer writing its pages in place. Kv heads are split over "tensor" where they divide. With
+    `record_routing`, each call also returns the experts every token went to
+    (`routing_shape`: MoE layers, top-k)."""
 
     def __init__(self, config: Any, mesh: Mesh, layout: Any, *,
                  expert_minor_keys: set[tuple] = frozenset(),
                  layouts: dict[int, Any] | None = None, record_routing: bool = False):
         from maxtext.common.common_types import MODEL_MODE_TRAIN
 
-        if config.scan_layers:
-            raise ValueError("the paged maxtext engine decodes an unscanned model "
-                             "(scan_layers=false; a uniform stack is unstacked for it)")
         self.config, self.mesh, self.mode = config, mesh, MODEL_MODE_TRAIN
         self.expert_minor_keys = expert_minor_keys  # params stored [embed, experts, mlp]
         self._pool_makers: dict[tuple[int, int], Any] = {}
         self.rules = config.logical_axis_rules
-        model = abstract_model(config, mesh, MODEL_MODE_TRAIN)
+        plan = scan_plan(config, mesh)
+        if config.scan_layers and plan is None:
+            raise ValueError(
+                f"the maxtext engine does not know how {config.model_name}'s scanned layers "
+                "stack its unscanned ones (maxtext_model.scan_plan); set scan_layers=false")
+        self.scan = scan_layout(plan, config.num_decoder_layers)
+        unscanned = abstract_model(config.model_copy(update={"scan_layers": False}), mesh,
+                                   MODEL_MODE_TRAIN)
+        model = abstract_model(config, mesh, MODEL_MODE_TRAIN) if plan else unscanned
         self.graph, _ = nnx.split(model, nnx.Param)
-        layers = attention_layers(model)
+        self.templates = self._templates(unscanned) if plan else []
+        layers = attention_layers(unscanned)
         slots = kv_slots(config, layers)
         self.layers = [_layer_attention(attn, slot, slot not in slots[:i])
                        for i, ((_, attn), slot) in enumerate(zip(layers, slots, strict=True))]
@@ -488,14 +579,42 @@ class MaxTextPagedModel:
         if self.layouts.keys() != self.slot_shapes.keys():
             raise ValueError(f"layouts must name every KV slot {sorted(self.slot_shapes)}, "
                              f"not {sorted(self.layouts)}")
+        self.stacks, self.places = pool_stacks(self.layers, self.layouts)
+        self.scan_table = self._scan_table()
         self.dtype = jnp.dtype(config.dtype)
         self.routing_shape = None
         if record_routing:
             check_replay_patch()
-            self.routing_shape = (len(routed_moes(model)), int(config.num_experts_per_tok))
+            self.routing_shape = (len(routed_moes(unscanned)), int(config.num_experts_per_tok))
             if not self.routing_shape[0]:
                 raise ValueError(f"{config.model_name} has no routed MoE layers: there is no "
                                  "routing to record (moe_router_replay needs an MoE family)")
+
+    def _templates(self, unscanned: nnx.Module) -> list[Any]:
+        """Each unscanned layer's graphdef with its params split off; a scanned layer's must be
+        its block position's."""
+        graphs = [nnx.split(getattr(unscanned.decoder, f"{LAYER_PREFIX}{i}"), nnx.Param)[0]
+                  for i in range(self.config.num_decoder_layers)]
+        block = self.scan.block
+        for i in range(self.scan.scanned):
+            if not same_layer(graphs[i], graphs[i % block]):
+                raise ValueError(f"decoder layer {i} is not the same module as layer "
+                                 f"{i % block}, which the layer scan runs in its place")
+        return graphs
+
+    def _scan_table(self) -> np.ndarray:
+        """int32 [blocks, block]: the pool index of each scanned layer's pages (its stack is
+        its block position's)."""
+        block, blocks = self.scan.block, self.scan.blocks
+        table = np.zeros((blocks, block), np.int32)
+        for i in range(self.scan.scanned):
+            stack, index = self.places[i]
+            if stack != self.places[i % block][0]:
+                raise ValueError(f"decoder layer {i}'s pages are not in the pool stack of "
+                                 f"layer {i % block}, which the layer scan runs in its place: "
+                                 "give a block position's layers one layout")
+            table[i // block, i % block] = index
+        return table
 
     def page_bytes(self, page_size: int, tp: int) -> int:
         """Bytes of one page over every slot, per device (kv heads split over `tp` where they
@@ -504,57 +623,161 @@ class MaxTextPagedModel:
                    for k, h in self.slot_shapes.values())
 
     def pool_specs(self) -> list[Any]:
-        """Each KV slot's partition on the replica mesh: kv heads over "tensor" where they
+        """Each pool stack's partition on the replica mesh: kv heads over "tensor" where they
         divide."""
         tp = self.mesh.shape[TENSOR_AXIS]
         specs = []
-        for slot in sorted(self.slot_shapes):
-            heads = TENSOR_AXIS if self.slot_shapes[slot][0] % tp == 0 else None
-            # [K, P, page, H]; else [P, page, 2K, H]
-            split = isinstance(self.layouts[slot], SplitPages)
-            specs.append(PartitionSpec(heads, None, None, None) if split
-                         else PartitionSpec(None, None, heads, None))
+        for stack in self.stacks:
+            heads = TENSOR_AXIS if stack.kv_heads % tp == 0 else None
+            # [K, L, P, page, H]; else [L, P, page, 2K, H]
+            split = isinstance(stack.layout, SplitPages)
+            specs.append(PartitionSpec(heads, None, None, None, None) if split
+                         else PartitionSpec(None, None, None, heads, None))
         return specs
 
     def _shard(self, pool: list[Any]) -> list[Any]:
         out = []
-        for layer, spec in zip(pool, self.pool_specs(), strict=True):
+        for stack, spec in zip(pool, self.pool_specs(), strict=True):
             sharding = jax.sharding.NamedSharding(self.mesh, spec)
             out.append(jax.tree.map(lambda x, s=sharding: jax.lax.with_sharding_constraint(x, s),
-                                    layer))
+                                    stack))
         return out
+
+    def make_pool(self, num_pages: int, page_size: int) -> list[Any]:
+        """The empty pool: a list over stacks, each `[layers, ...]` in its layout."""
+        return [s.layout.empty(num_pages, page_size, s.kv_heads, s.head_dim, self.dtype,
+                               layers=s.count) for s in self.stacks]
 
     def empty_pool(self, num_pages: int, page_size: int) -> list[Any]:
         if (num_pages, page_size) not in self._pool_makers:  # compiled once per pool shape
             def make():
-                return [self.layouts[slot].empty(num_pages, page_size,
-                                                 *self.slot_shapes[slot], self.dtype)
-                        for slot in sorted(self.slot_shapes)]
+                return self.make_pool(num_pages, page_size)
 
             shardings = [jax.sharding.NamedSharding(self.mesh, spec) for spec in self.pool_specs()]
-            shardings = [jax.tree.map(lambda _, s=s: s, layer) for s, layer in
+            shardings = [jax.tree.map(lambda _, s=s: s, stack) for s, stack in
                          zip(shardings, jax.eval_shape(make), strict=True)]
             self._pool_makers[num_pages, page_size] = jax.jit(make, out_shardings=shardings)
         return self._pool_makers[num_pages, page_size]()
 
     def forward(self, params: Any, pool: list[Any], rows: Any) -> tuple[jax.Array, list[Any]]:
-        call = _PagedCall(self.layouts, pool, rows)
-        model = nnx.merge(self.graph, expert_major(params, self.expert_minor_keys), copy=True)
-        for (_, attn), layer in zip(attention_layers(model), self.layers, strict=True):
-            attn.attention_op = PagedAttentionOp(call, layer.slot, layer.writes, layer.window,
-                                                 layer.soft_cap)
+        call = _PagedCall([s.layout for s in self.stacks], pool, rows)
+        if self.templates:
+            model = nnx.merge(self.graph, params, copy=True)
+            _LayerSeam(functools.partial(self._run_layers, params, call)).install(model.decoder)
+            moes = []
+        else:
+            model = nnx.merge(self.graph, expert_major(params, self.expert_minor_keys), copy=True)
+            for (_, attn), i in zip(attention_layers(model), range(len(self.layers)), strict=True):
+                attn.attention_op = self._paged_op(call, i, self.places[i][1])
+            moes = routed_moes(model) if self.routing_shape else []
+            for moe in moes:
+                moe.record_routed_experts = True
         # Only each row's logit column goes through the output head: [R, V], not [R, C, V].
         decoder = model.decoder
         decoder.apply_output_head = _AtColumns(decoder.apply_output_head, rows.logit_cols)
-        moes = routed_moes(model) if self.routing_shape else []
-        for moe in moes:
-            moe.record_routed_experts = True
         with nn_partitioning.axis_rules(self.rules):
             logits = model(rows.tokens, rows.positions, decoder_segment_ids=None,
                            model_mode=self.mode, enable_dropout=False)
         out = logits[:, 0].astype(jnp.float32), self._shard(call.pool)
-        return (*out, recorded_routing(moes)) if moes else out
+        if moes:
+            call.routing = recorded_routing(moes)
+        return out if self.routing_shape is None else (*out, call.routing)
+
+    def _paged_op(self, call: _PagedCall, layer: int, index: Any) -> PagedAttentionOp:
+        a = self.layers[layer]
+        return PagedAttentionOp(call, self.places[layer][0], index, a.writes, a.window,
+                                a.soft_cap)
+
+    def _run_layer(self, call: _PagedCall, layer: int, index: Any, prefix: tuple,
+                   params: Any, y: jax.Array, args: tuple, kwargs: dict):
+        """Decoder layer `layer`'s module (its template) over `params`, its pages at pool
+        index `index`: (its output, the experts it routed to or None)."""
+        from maxtext.layers.attention_op import AttentionOp
+        from maxtext.layers.moe import RoutedMoE
+
+        module = nnx.merge(self.templates[layer],
+                           expert_major(params, self.expert_minor_keys, prefix))
+        [attn] = [node for node in modules_of(module, nnx.Module)
+                  if isinstance(getattr(node, "attention_op", None), AttentionOp)]
+        attn.attention_op = self._paged_op(call, layer, index)
+        moes = modules_of(module, RoutedMoE) if self.routing_shape else []
+        for moe in moes:
+            moe.record_routed_experts = True
+        out = module(y, *args, kv_cache=None, **kwargs)
+        routed = [moe.routed_experts.get_value()[0] for moe in moes]
+        return (out[0] if isinstance(out, tuple) else out), (routed[0] if routed else None)
+
+    def _run_layers(self, params: Any, call: _PagedCall, y: jax.Array, args: tuple,
+                    kwargs: dict) -> jax.Array:
+        """Every decoder layer of a scanned tree: the scanned blocks in one `lax.scan` that
+        carries the hidden states and the pool, then the rest unrolled."""
+        scan, routed = self.scan, []
+        if scan.blocks:
+            stacks = {prefix: subtree(params, prefix) for prefix in scan.scanned_prefixes}
+
+            def block_step(carry, xs):
+                y, call.pool = carry[0], list(carry[1])
+                block_params, indices = xs
+                experts = []
+                for j, source in enumerate(scan.sources[:scan.block]):
+                    layer_params = take(block_params[source.prefix], source.indices[1:])
+                    y, r = self._run_layer(call, j, indices[j], source.prefix, layer_params, y,
+                                           args, kwargs)
+                    experts.append(r)
+                return (y, tuple(call.pool)), [r for r in experts if r is not None]
+
+            (y, pool), ys = jax.lax.scan(block_step, (y, tuple(call.pool)),
+                                         (stacks, jnp.asarray(self.scan_table)))
+            call.pool = list(pool)
+            if ys:  # [blocks, per block, R, C, k] -> layers in order
+                stacked = jnp.stack(ys, axis=1)
+                routed.extend(stacked.reshape(-1, *stacked.shape[2:]))
+        for i in range(scan.scanned, len(scan.sources)):
+            source = scan.sources[i]
+            layer_params = take(subtree(params, source.prefix), source.indices)
+            y, r = self._run_layer(call, i, self.places[i][1], source.prefix, layer_params, y,
+                                   args, kwargs)
+            routed.extend([] if r is None else [r])
+        if self.routing_shape:
+            call.routing = jnp.stack(routed, axis=2)
+        return y
 
     def copy_page(self, pool: list[Any], source: jax.Array, target: jax.Array) -> list[Any]:
-        return [self.layouts[slot].copy_page(layer, source, target)
-                for slot, layer in zip(sorted(self.slot_shapes), pool, strict=True)]
+        return [stack.layout.copy_page(pages, source, target)
+                for stack, pages in zip(self.stacks, pool, strict=True)]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class _LayerSeam:
+    """In place of MaxText's scanned decoder's layer appliers (`_apply_layers_sequentially`
+    for a uniform stack or gpt-oss's blocks, `_apply_gemma4_scanned_blocks` for Gemma4's),
+    `run(y, layer_args, layer_kwargs)`: every layer, over the engine's stacks and pool."""
+
+    run: Any
+    runs: list = dataclasses.field(default_factory=list)
+
+    def install(self, decoder: nnx.Module) -> None:
+        decoder._apply_layers_sequentially = self.apply_layers
+        decoder._apply_gemma4_scanned_blocks = self.apply_blocks
+
+    def apply_layers(self, layers, y, *args, length: int, **kwargs):
+        for name in ("kv_caches_stacked", "forced_routed_experts_scanned"):
+            if kwargs.pop(name, None) is not None:
+                raise ValueError(f"the paged maxtext engine's layer scan takes no {name}")
+        for name in ("skip_block_remat", "unroll", "metadata_axis_name"):
+            kwargs.pop(name, None)
+        return self._run_once(y, args, kwargs), layers, None
+
+    def apply_blocks(self, y, layer_args, layer_kwargs, kv_caches=None):
+        if kv_caches is not None:
+            raise ValueError("the paged maxtext engine's layer scan takes no kv_caches")
+        return self._run_once(y, layer_args, layer_kwargs)
+
+    def _run_once(self, y, args, kwargs):
+        """`run` runs every layer: a decoder that applies two scanned stacks is not one the
+        engine knows."""
+        if self.runs:
+            raise ValueError("MaxText's decoder applied more than one scanned layer stack; the "
+                             "paged maxtext engine scans one (maxtext_model.scan_plan)")
+        self.runs.append(True)
+        return self.run(y, args, kwargs)
