@@ -1,6 +1,7 @@
 """Router record and replay on a patched maxtext (first on sys.path), per tiny MoE family.
 
-    python -m tests.workers.moe_replay_check FAMILIES_JSON RL_YML [test:EPS|bf16[:SCALE[:TIE]]|EPS,EPS]
+    python -m tests.workers.moe_replay_check FAMILIES_JSON RL_YML \
+        [test:EPS|bf16[:SCALE[:TIE]]|EPS,EPS]
 
 `test:EPS` (the test's): the trainer's MaxText model (scanned, fp32) against an unscanned copy
 of its weights with `record_routed_experts` on: the recorded indices' shape and the max |logit
