@@ -26,10 +26,10 @@ from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # noqa: E402
 
 from tests.mp import REPO, launch_worker, read_jsonl  # noqa: E402
 from tunix_mcjax.config import ConfigError, load_config  # noqa: E402
-from tunix_mcjax.engine import SamplingParams, maxtext_engine, maxtext_model  # noqa: E402
+from tunix_mcjax.engine import SamplingParams, maxtext_engine, maxtext_model, maxtext_tpu  # noqa: E402
 from tunix_mcjax.engine import paged_attention as pa  # noqa: E402
 from tunix_mcjax.engine.maxtext_engine import MaxTextEngine  # noqa: E402
-from tunix_mcjax.engine.maxtext_model import MOE_UP_KERNELS  # noqa: E402
+from tunix_mcjax.engine.maxtext_tpu import MOE_MLP_AXIS, MOE_UP_KERNELS  # noqa: E402
 from tunix_mcjax.engine.trees import flatten_tree  # noqa: E402
 from tunix_mcjax.maxtext import config_map, load_maxtext_config, policy  # noqa: E402
 from tunix_mcjax.publish import Publisher  # noqa: E402
@@ -427,14 +427,14 @@ def test_moe_kernels_padded_as_on_tpu_sample_as_unpadded(world, monkeypatch):
     """The expert kernels padded with zeros along mlp, as the engine holds them on TPU (here
     to lanes of 64, from 32): the samples are the unpadded engine's; `weights` gives MaxText's
     shapes back."""
-    monkeypatch.setattr(maxtext_model, "TPU_LANES", 64)
+    monkeypatch.setattr(maxtext_tpu, "TPU_LANES", 64)
     monkeypatch.setattr(MaxTextEngine, "PAD_MOE_PLATFORMS", ("cpu",))
     engine = MaxTextEngine(world.config, jax.local_devices()[:1], pad_id=0, eos_ids=(),
                            max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2,
                            page_size=PAGE)
     engine.load_weights(policy.maxtext_tree(world.params))
     held = {path: leaf.shape for path, leaf in engine._params[0].items()
-            if path[-1] in maxtext_model.MOE_MLP_AXIS and leaf.ndim == 4}  # [layers, ...]
+            if path[-1] in MOE_MLP_AXIS and leaf.ndim == 4}  # [layers, ...]
     assert held and all(64 in shape and 32 not in shape for shape in held.values()), held
     given = flatten_tree(engine.weights())
     assert all(given[path].shape == engine._leaf_specs[path].shape for path in held)

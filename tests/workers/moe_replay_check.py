@@ -63,7 +63,7 @@ def family_report(args: list[str]) -> dict:
         var.set_value(value + 0.5 * jax.random.normal(jax.random.fold_in(key, i), value.shape))
     nnx.update(scanned, params)
     _, flat_model, _ = build([*args, "scan_layers=false"])
-    from tunix_mcjax.engine.maxtext_model import scan_plan, unstack_layers
+    from tunix_mcjax.engine.maxtext_tree import scan_plan, unstack_layers
     plan = scan_plan(config, mesh)
     scanned_flat = {tuple(str(k) for k in p)[1:]: v.get_value()  # without the adapter's "base"
                     for p, v in nnx.to_flat_state(nnx.state(scanned, nnx.Param))}

@@ -8,7 +8,7 @@ its layers scanned as the script's tree stacks them, our paged attention) for on
 the first `rollout_tensor_parallelism` devices, at a full share of the step's rollouts, as the
 engine runs it on TPU: pages in `CombinedPages` (JAX's Pallas `ragged_paged_attention`), or
 `CombinedXlaPages` (the same pages attended by XLA) for layers with attention sinks (gpt-oss)
-or heads other than 128 wide (Gemma4); MoE kernels padded as `maxtext_model.tpu_config` pads
+or heads other than 128 wide (Gemma4); MoE kernels padded as `maxtext_tpu.tpu_config` pads
 them.
 """
 
@@ -28,15 +28,10 @@ from tunix_mcjax.aot.target import Target
 from tunix_mcjax.config import Config
 from tunix_mcjax.engine import pages
 from tunix_mcjax.engine.decode_loop import build_program
-from tunix_mcjax.engine.maxtext_model import (
-    MaxTextPagedModel,
-    decode_config,
-    local_mesh,
-    param_specs,
-    scan_plan,
-    tpu_config,
-)
+from tunix_mcjax.engine.maxtext_model import MaxTextPagedModel, decode_config, local_mesh
 from tunix_mcjax.engine.maxtext_scan import layer_major_shape, scan_layout, stacked_count
+from tunix_mcjax.engine.maxtext_tpu import tpu_config
+from tunix_mcjax.engine.maxtext_tree import param_specs, scan_plan
 from tunix_mcjax.engine.paged_attention import CombinedPages
 from tunix_mcjax.engine.sampling import SamplerSpec
 from tunix_mcjax.runtime.phases import sampling_params

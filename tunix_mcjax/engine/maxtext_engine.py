@@ -19,19 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from tunix_mcjax.engine.jax_engine import JaxEngine, _LeafSpec
-from tunix_mcjax.engine.maxtext_model import (
-    MOE_UP_KERNELS,
-    MaxTextPagedModel,
-    decode_config,
-    expert_major_leaf,
-    expert_minor,
-    local_mesh,
-    pad_axis,
-    padded_kernels,
-    param_specs,
-    scan_plan,
-    tpu_config,
-)
+from tunix_mcjax.engine.maxtext_model import MaxTextPagedModel, decode_config, local_mesh
 from tunix_mcjax.engine.maxtext_scan import (
     layer_major,
     layer_major_shape,
@@ -39,6 +27,15 @@ from tunix_mcjax.engine.maxtext_scan import (
     scan_layout,
     stacked_count,
 )
+from tunix_mcjax.engine.maxtext_tpu import (
+    MOE_UP_KERNELS,
+    expert_major_leaf,
+    expert_minor,
+    pad_axis,
+    padded_kernels,
+    tpu_config,
+)
+from tunix_mcjax.engine.maxtext_tree import param_specs, scan_plan
 from tunix_mcjax.engine.options import EngineOptions, options_of
 from tunix_mcjax.engine.paged_attention import layout_for
 from tunix_mcjax.engine.trees import LeafPath, flatten_tree
@@ -49,7 +46,7 @@ class MaxTextEngine(JaxEngine):
     `load_weights` takes its param tree (the Tunix adapter's `base`, as a nested dict).
     `weight_dtype` (float32 | bfloat16; None: the config's) is the engine's copy of the weights.
     A scanned tree (a uniform stack, gpt-oss's blocks of two layer kinds, Gemma4's blocks of
-    five local and one global layer: `maxtext_model.scan_plan`) is held as MaxText stacks it,
+    five local and one global layer: `maxtext_tree.scan_plan`) is held as MaxText stacks it,
     each stacked leaf layer-major (`maxtext_scan.layer_major`: a layer is one contiguous slice),
     and decoded by one layer scan; `weights()` gives MaxText's layout back.
     """
@@ -57,7 +54,7 @@ class MaxTextEngine(JaxEngine):
     # MaxText's model is built for its batch (`decode_config`), and a MoE's expert capacity
     # follows the tokens of a call: a row's sample must not depend on how many rows run with it.
     pack_decode_rows = False
-    # Where the engine pads MoE kernels to whole lanes (`maxtext_model.tpu_moe_mlp_dim`).
+    # Where the engine pads MoE kernels to whole lanes (`maxtext_tpu.tpu_moe_mlp_dim`).
     PAD_MOE_PLATFORMS = ("tpu",)
 
     def __init__(self, model_config: Any, devices: Sequence[jax.Device],
@@ -96,7 +93,7 @@ class MaxTextEngine(JaxEngine):
 
     def _model_config(self) -> Any:
         """The decode model's config: `_config`, its MoE kernels padded on TPU
-        (`maxtext_model.tpu_config`)."""
+        (`maxtext_tpu.tpu_config`)."""
         config = self._config()
         return tpu_config(config) if self._padded else config
 
@@ -124,7 +121,7 @@ class MaxTextEngine(JaxEngine):
         if config.scan_layers and plan is None:
             raise ValueError(
                 f"the maxtext engine does not know how {self.model_config.model_name}'s scanned "
-                "layers stack its unscanned ones (maxtext_model.scan_plan); set "
+                "layers stack its unscanned ones (maxtext_tree.scan_plan); set "
                 "scan_layers=false")
         layout = scan_layout(plan, config.num_decoder_layers)
         self.scanned_layers = layout.scanned

@@ -8,10 +8,10 @@ keys and values into our page pool and attends over it (`engine.paged_attention`
 layer's sliding window (by token position), sinks and soft cap; Gemma4's KV-shared layers read
 their donor's pages. Each KV slot has its page layout: on TPU the Pallas kernel's, attended by
 XLA for layers with sinks or heads the kernel does not take (`slot_layouts`); on TPU the expert
-kernels are padded to whole lanes where their layout would otherwise be copied (`tpu_config`).
-A scanned tree decodes as MaxText stacks it (`scan_plan` finds how), one `lax.scan` over its
-layers in place of MaxText's own layer scan, which has no seat for a pool (`_LayerSeam`);
-`unstack_layers` slices a scanned tree into the unscanned one's layers (tests compare the two).
+kernels are padded to whole lanes where their layout would otherwise be copied
+(`maxtext_tpu`). A scanned tree decodes as MaxText stacks it (`maxtext_tree.scan_plan` finds
+how), one `lax.scan` over its layers in place of MaxText's own layer scan, which has no seat for
+a pool (`_LayerSeam`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,14 @@ from flax.linen import partitioning as nn_partitioning
 from jax.sharding import Mesh, PartitionSpec
 
 from tunix_mcjax.engine.maxtext_scan import scan_layout, subtree, take
+from tunix_mcjax.engine.maxtext_tpu import expert_major
+from tunix_mcjax.engine.maxtext_tree import (
+    LAYER_PREFIX,
+    abstract_model,
+    scan_plan,
+)
 from tunix_mcjax.engine.paged_attention import KERNEL_HEAD_DIM, CombinedPages, SplitPages
 
-DECODER, STACKED_LAYERS, LAYER_PREFIX = "decoder", "layers", "layers_"
 TENSOR_AXIS = "tensor"
 
 
@@ -53,152 +58,6 @@ def decode_config(config: Any, *, batch: int, prompt_len: int, max_new: int,
     if weight_dtype:
         update["weight_dtype"] = weight_dtype
     return config.model_copy(update=update)
-
-
-def drop_rngs(model: nnx.Module) -> None:
-    """Removes the `nnx.Rngs` MaxText layers keep from construction: with dropout off they are
-    dead in the forward pass (MaxText itself drops its Dropout rngs at rate 0 for this reason)."""
-    for _, node in list(nnx.iter_graph(model)):
-        if isinstance(node, nnx.Module) and not isinstance(node, nnx.Rngs):
-            for name, value in list(vars(node).items()):
-                if isinstance(value, nnx.Rngs):
-                    setattr(node, name, None)
-
-
-def abstract_model(config: Any, mesh: Mesh, mode: str) -> nnx.Module:
-    """MaxText's model for `mode` as shapes only, without its rngs."""
-    from maxtext.utils import model_creation_utils
-
-    create = model_creation_utils.get_nnx_create_model_fn(config, mesh=mesh, model_mode=mode)
-    with nn_partitioning.axis_rules(config.logical_axis_rules):
-        model = nnx.eval_shape(create)
-    drop_rngs(model)
-    return model
-
-
-def param_specs(config: Any, mesh: Mesh) -> dict[tuple[str, ...], tuple[tuple, Any, Any, Any]]:
-    """{param path as strings: (its keys, shape, dtype, PartitionSpec on `mesh`)} of MaxText's
-    model for `config`."""
-    from maxtext.common.common_types import MODEL_MODE_AUTOREGRESSIVE
-    from maxtext.utils import sharding
-
-    model = abstract_model(config, mesh, MODEL_MODE_AUTOREGRESSIVE)
-    params = nnx.state(model, nnx.Param)
-    with nn_partitioning.axis_rules(config.logical_axis_rules):
-        shardings = sharding.nnx_construct_named_sharding(params, mesh)
-    flat_shardings = dict(nnx.to_flat_state(shardings))
-    specs = {}
-    for path, var in nnx.to_flat_state(params):
-        named = flat_shardings[path]
-        spec = getattr(named, "spec", getattr(getattr(named, "value", None), "spec", None))
-        if spec is None or all(axis is None for axis in spec):
-            spec = PartitionSpec()
-        specs[tuple(str(k) for k in path)] = (tuple(path), tuple(var.shape), var.dtype, spec)
-    return specs
-
-
-# Where each unscanned layer `decoder/layers_<i>` sits in a scanned tree: the scanned prefix
-# that replaces `decoder/layers_<i>`, and its indices along the stacked axes (from
-# `param_scan_axis` on, outermost first).
-ScanPlan = dict[int, tuple[tuple[str, ...], tuple[int, ...]]]
-GEMMA4_BLOCK = ("scanned_blocks", "local_layers", "global_layer", "layers_remainder")
-
-
-def _candidate_plans(config: Any) -> list[ScanPlan]:
-    """The scanned layouts MaxText 0.2.5 uses: a uniform stack (Qwen3, Qwen3 MoE), blocks of b
-    layer kinds (`layers/layers_<j>`: gpt-oss), and Gemma4's blocks of five local layers and a
-    global one, with local remainder layers."""
-    n = config.num_decoder_layers
-    plans = [{i: ((DECODER, STACKED_LAYERS), (i,)) for i in range(n)}]
-    for b in (2, 3, 4, 6, 8):
-        if n % b == 0:
-            plans.append({i: ((DECODER, STACKED_LAYERS, f"{LAYER_PREFIX}{i % b}"), (i // b,))
-                          for i in range(n)})
-    blocks, local, (scanned, locals_, global_, rest) = n // 6, 5, GEMMA4_BLOCK
-    gemma4: ScanPlan = {}
-    for i in range(n):
-        if i >= 6 * blocks:
-            gemma4[i] = ((DECODER, rest, locals_), (i - 6 * blocks,))
-        elif i % 6 < local:
-            gemma4[i] = ((DECODER, scanned, locals_), (i // 6, i % 6))
-        else:
-            gemma4[i] = ((DECODER, scanned, global_), (i // 6,))
-    plans.append(gemma4)
-    return plans
-
-
-def _scanned_shapes(unscanned: dict, plan: ScanPlan, axis: int) -> dict:
-    """The scanned tree's {path: (shape, dtype)} that `plan` predicts from the unscanned one."""
-    counts: dict[tuple[str, ...], list[int]] = {}
-    for prefix, indices in plan.values():
-        top = counts.setdefault(prefix, [0] * len(indices))
-        for d, index in enumerate(indices):
-            top[d] = max(top[d], index + 1)
-    expected = {}
-    for path, (_, shape, dtype, _) in unscanned.items():
-        if len(path) > 2 and path[0] == DECODER and path[1].startswith(LAYER_PREFIX):
-            i = int(path[1][len(LAYER_PREFIX):])
-            prefix = plan[i][0]
-            shape = list(shape)
-            shape[axis:axis] = counts[prefix]
-            path = (*prefix, *path[2:])
-        expected[path] = (tuple(shape), dtype)
-    return expected
-
-
-def scan_plan(config: Any, mesh: Mesh) -> ScanPlan | None:
-    """How the model's scanned param tree stacks its unscanned one (`ScanPlan`), checked leaf
-    by leaf against both trees' shapes; None for an unscanned config or an unknown layout."""
-    if not config.scan_layers:
-        return None
-    scanned = {path: (shape, dtype) for path, (_, shape, dtype, _) in
-               param_specs(config, mesh).items()}
-    unscanned = param_specs(config.model_copy(update={"scan_layers": False}), mesh)
-    for plan in _candidate_plans(config):
-        if _scanned_shapes(unscanned, plan, config.param_scan_axis) == scanned:
-            return plan
-    return None
-
-
-def _layer_slice(leaf: Any, index: int, axis: int) -> Any:
-    """Layer `index` of a stacked leaf, per device: a replicated jax Array stays a full copy
-    on each of its local devices (no gather)."""
-    if not isinstance(leaf, jax.Array):
-        return np.take(np.asarray(leaf), index, axis=axis)
-    copies = [s for s in leaf.addressable_shards if s.data.shape == leaf.shape]
-    if not copies:
-        if not leaf.is_fully_addressable:
-            raise ValueError("a jax Array param must be replicated over this host's devices "
-                             "(or fully addressable); reshard it to replicated first")
-        return jnp.take(leaf, index, axis=axis)
-    slices = []
-    for shard in copies:  # on its own device, whatever global mesh the caller has set
-        with jax.set_mesh(Mesh(np.array([shard.device]), ("local",))):
-            slices.append(jnp.take(shard.data, index, axis=axis))
-    devices = np.array([s.device for s in copies])
-    sharding = jax.sharding.NamedSharding(Mesh(devices, ("local",)), PartitionSpec())
-    shape = leaf.shape[:axis] + leaf.shape[axis + 1:]
-    return jax.make_array_from_single_device_arrays(shape, sharding, slices)
-
-
-def unstack_layers(flat: dict[tuple[str, ...], Any], plan: ScanPlan,
-                   axis: int) -> dict[tuple[str, ...], Any]:
-    """A flat scanned param tree as the unscanned one (`decoder/layers_<i>/...`), by `plan`."""
-    by_prefix: dict[tuple[str, ...], list[tuple[int, tuple[int, ...]]]] = {}
-    for i, (prefix, indices) in plan.items():
-        by_prefix.setdefault(prefix, []).append((i, indices))
-    out = {}
-    for path, leaf in flat.items():
-        prefix = next((p for p in by_prefix if path[:len(p)] == p), None)
-        if prefix is None:
-            out[path] = leaf
-            continue
-        for i, indices in by_prefix[prefix]:
-            layer = leaf
-            for index in indices:
-                layer = _layer_slice(layer, index, axis)
-            out[(DECODER, f"{LAYER_PREFIX}{i}", *path[len(prefix):])] = layer
-    return out
 
 
 # ----- MaxText's model over our page pool ------------------------------------------------------
@@ -365,91 +224,6 @@ def slot_layouts(layout: Any, layers: list[_LayerAttention]) -> dict[int, Any]:
             else layout for a in layers if a.writes}
 
 
-# On TPU an array's default layout keeps a dimension that is a multiple of the 128 lanes minor
-# rather than pad one that is not: Gemma4-26B's expert up-kernels [128, 2816, 704] lie
-# embed-minor, MaxText's grouped matmul (megablox) takes them mlp-minor, and XLA copied every
-# layer's wi_0 and wi_1 before the decode loop (31 GiB at 30 layers). The engine's copy on TPU is
-# padded with zeros to a multiple of 128 along mlp (MaxText's `padded_base_moe_mlp_dim`, as its
-# vLLM rollout pads them), whose default layout is mlp-minor; the zeros add nothing.
-TPU_LANES = 128
-MOE_MLP_AXIS = {"wi_0": 2, "wi_1": 2, "wo": 1}  # each expert kernel's mlp axis
-
-
-def tpu_moe_mlp_dim(config: Any) -> int | None:
-    """The MoE mlp width the engine pads expert kernels to on TPU, or None: no MoE, an mlp
-    width of whole lanes, an embed width that is not (no layout prefers it minor), or MoE
-    biases or fused kernels (MaxText pads neither)."""
-    mlp = config.moe_mlp_dim
-    if (config.num_experts <= 1 or mlp % TPU_LANES == 0 or config.emb_dim % TPU_LANES
-            or config.mlp_bias or config.prefuse_moe_weights):
-        return None
-    return -(-mlp // TPU_LANES) * TPU_LANES
-
-
-def tpu_config(config: Any) -> Any:
-    """The engine's MaxText config on TPU: its MoE kernels padded (`tpu_moe_mlp_dim`)."""
-    padded = tpu_moe_mlp_dim(config)
-    return config if padded is None else config.model_copy(
-        update={"padded_base_moe_mlp_dim": padded})
-
-
-def padded_kernels(specs: dict, config: Any,
-                   stacked: dict[tuple, int] | None = None) -> dict[tuple, tuple[int, int]]:
-    """{path: (mlp axis, padded width)} of the expert kernels in `specs` (`param_specs` of
-    MaxText's unpadded `config`) that the engine pads on TPU; the axis is the engine's, whose
-    leaves have their `stacked[path]` stacked axes in front (`maxtext_scan.layer_major`)."""
-    padded = tpu_moe_mlp_dim(config)
-    if padded is None:
-        return {}
-    stacked = stacked or {}
-    return {path: (stacked.get(path, 0) + MOE_MLP_AXIS[path[-1]], padded)
-            for path, (_, shape, *_) in specs.items()
-            if path[-1] in MOE_MLP_AXIS and len(shape) - stacked.get(path, 0) == 3}
-
-
-@functools.partial(jax.jit, static_argnums=(1, 2))
-def pad_axis(kernel: jax.Array, axis: int, width: int) -> jax.Array:
-    """`kernel` with zeros after its entries along `axis`, to `width`."""
-    widths = [(0, 0)] * kernel.ndim
-    widths[axis] = (0, width - kernel.shape[axis])
-    return jnp.pad(kernel, widths)
-
-
-# MoE up-projections [experts, embed, mlp]: MaxText's decode einsum "BSM,EMH->BSEH" contracts
-# the middle axis, so XLA's CPU dot copies the whole kernel to [embed, experts * mlp] at every
-# step. On CPU the engine stores them expert-minor ([embed, experts, mlp]) and the forward hands
-# MaxText a transposed view of them, which the dot reads as it lies.
-MOE_UP_KERNELS = ("wi_0", "wi_1")
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def expert_minor(kernel: jax.Array, stacked: int = 0) -> jax.Array:
-    """[(stacked axes,) experts, embed, mlp] -> [(stacked axes,) embed, experts, mlp]."""
-    return jnp.moveaxis(kernel, stacked + 1, stacked)
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def expert_major_leaf(kernel: jax.Array, stacked: int = 0) -> jax.Array:
-    """`expert_minor` undone."""
-    return jnp.moveaxis(kernel, stacked, stacked + 1)
-
-
-def expert_major(params: dict, paths: set[tuple], prefix: tuple = ()) -> dict:
-    """`params` (the subtree at `prefix`) with the leaves at `paths` (stored [embed, experts,
-    mlp]) viewed in MaxText's [experts, embed, mlp]: inside the decode program the transpose is
-    the dot's operand layout, not a copy. Paths compare as strings."""
-    if not paths:
-        return params
-    paths = {tuple(map(str, path)) for path in paths}
-
-    def view(node: Any, at: tuple) -> Any:
-        if not isinstance(node, dict):
-            return jnp.moveaxis(node, 0, 1) if at in paths else node
-        return {k: view(v, (*at, str(k))) for k, v in node.items()}
-
-    return view(params, tuple(map(str, prefix)))
-
-
 def routed_moes(model: nnx.Module) -> list[nnx.Module]:
     """MaxText's routed MoE modules of an unscanned model, in decoder layer order."""
     from maxtext.layers.moe import RoutedMoE
@@ -563,7 +337,7 @@ class MaxTextPagedModel:
         if config.scan_layers and plan is None:
             raise ValueError(
                 f"the maxtext engine does not know how {config.model_name}'s scanned layers "
-                "stack its unscanned ones (maxtext_model.scan_plan); set scan_layers=false")
+                "stack its unscanned ones (maxtext_tree.scan_plan); set scan_layers=false")
         self.scan = scan_layout(plan, config.num_decoder_layers)
         unscanned = abstract_model(config.model_copy(update={"scan_layers": False}), mesh,
                                    MODEL_MODE_TRAIN)
@@ -778,6 +552,6 @@ class _LayerSeam:
         engine knows."""
         if self.runs:
             raise ValueError("MaxText's decoder applied more than one scanned layer stack; the "
-                             "paged maxtext engine scans one (maxtext_model.scan_plan)")
+                             "paged maxtext engine scans one (maxtext_tree.scan_plan)")
         self.runs.append(True)
         return self.run(y, args, kwargs)

@@ -4,7 +4,7 @@
 MaxText stacks a scanned model's layers along `param_scan_axis` (1 by default: `[embed, layers,
 ...]`): a uniform stack (Qwen3, Qwen3 MoE), blocks of layer kinds (gpt-oss's two), or Gemma4's
 blocks of five local layers and a global one, with the local layers left over after whole blocks
-in a remainder stack (`maxtext_model.scan_plan` finds which). The engine keeps that tree, each
+in a remainder stack (`maxtext_tree.scan_plan` finds which). The engine keeps that tree, each
 stacked leaf with its stacked axes moved in front (`layer_major`), so that a layer is a
 contiguous slice; `ScanLayout` says which layers one scan iteration runs (a block) and which
 are left to run unrolled after it (Gemma4's remainder, or every layer of an unscanned tree).
@@ -62,7 +62,7 @@ class ScanLayout:
 
 def scan_layout(plan: dict[int, tuple[Prefix, tuple[int, ...]]] | None,
                 num_layers: int) -> ScanLayout:
-    """The layout of a tree stacked by `plan` (`maxtext_model.scan_plan`; None: unscanned,
+    """The layout of a tree stacked by `plan` (`maxtext_tree.scan_plan`; None: unscanned,
     every layer `decoder/layers_<i>`, unrolled). The block is the period of the layers' keys;
     the blocks are the layers whose first stacked index counts them."""
     if plan is None:

@@ -20,7 +20,7 @@ from flax.linen import partitioning as nn_partitioning
 from tunix.models.qwen3 import model as qwen3
 
 from tunix_mcjax.config import ConfigError
-from tunix_mcjax.engine.maxtext_model import drop_rngs
+from tunix_mcjax.engine.maxtext_tree import drop_rngs
 from tunix_mcjax.maxtext import config_map
 from tunix_mcjax.train.trainer import Policy
 
