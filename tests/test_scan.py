@@ -176,3 +176,59 @@ def test_lora_adapters_on_some_layers_decode_as_the_trainers_forward():
     logits[:, 0] = -np.inf  # pad is never sampled
     np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
     np.testing.assert_allclose(out.logprobs, want, atol=1e-4)
+
+
+# ----- the trainer's step ----------------------------------------------------------------------
+
+
+def lowered_train_step(layers: int, overrides: list[str]) -> str:
+    """The StableHLO of the trainer's step (`Trainer.lower`, from shapes as tunix_mcjax.aot
+    builds it) on the process's CPU devices, at `layers` layers."""
+    import types
+
+    from jax.sharding import AxisType, Mesh
+
+    from tests.mp import TINY
+    from tunix_mcjax.aot.programs import AbstractTrainer, abstract_policy, train_batch
+
+    cfg = config.load_config(None, [*TINY, f"base_num_decoder_layers={layers}",
+                                    "max_target_length=16", "grpo_beta=0.04", *overrides])
+    mc = models.model_config(cfg, vocab_size=VOCAB)
+    mesh = Mesh(np.array(jax.devices()).reshape(-1, 1), ("fsdp", "tp"),
+                axis_types=(AxisType.Auto, AxisType.Auto))
+    policy, params = abstract_policy(cfg, mc, mesh)
+    trainer = AbstractTrainer(cfg, policy, params, mesh, 2**30)
+    layout = types.SimpleNamespace(micro_batches=trainer.micro_batches, micro_rows=1)
+    return trainer.lower(train_batch(trainer, layout, cfg.max_target_length)).as_text()
+
+
+@pytest.mark.parametrize("overrides", [
+    ["fsdp_gather_params_once=true"], ["fsdp_gather_params_once=false", "remat_policy=full"],
+    ["fsdp_gather_params_once=true", "lora_rank=4", "lora_alpha=8",
+     "lora_module_path=.*(q|down)_proj"]], ids=["flat", "sharded-remat", "lora"])
+def test_the_train_step_holds_one_layer_body_whatever_the_depth(overrides):
+    """At 2 and 6 layers the train step lowers to the same matmuls (the policy's and the
+    reference's forward and backward): its layers are scanned, not unrolled."""
+    def dots(text):
+        return len(re.findall(r"stablehlo\.dot_general", text))
+    shallow, deep = dots(lowered_train_step(2, overrides)), dots(lowered_train_step(6, overrides))
+    assert shallow == deep > 7 * 3  # 7 projections, forward and backward
+
+
+def test_layers_stack_by_runs_of_the_same_tree():
+    """LoRA adapters on layer 1 of 4: three runs, each stack holding its layers' leaves, and
+    unstacking gives every layer back."""
+    from tunix_mcjax.train import layer_runs
+
+    plain = {"w": jnp.ones((2, 3))}
+    adapted = {"w": jnp.ones((2, 3)), "w_lora_a": jnp.ones((2, 1))}
+    layers = {0: plain, "1": adapted, 2: {"w": 2 * jnp.ones((2, 3))}, 3: {"w": jnp.zeros((2, 3))}}
+    stacks = layer_runs.stack_layers(layers)
+    assert {k: jax.tree.map(jnp.shape, s) for k, s in stacks.items()} == {
+        "from_0": {"w": (1, 2, 3)}, "from_1": {"w": (1, 2, 3), "w_lora_a": (1, 2, 1)},
+        "from_2": {"w": (2, 2, 3)}}
+    np.testing.assert_array_equal(stacks["from_2"]["w"][:, 0, 0], [2.0, 0.0])
+    back = layer_runs.unstack_layers(stacks)
+    assert sorted(back) == [0, 1, 2, 3]
+    for i in range(4):
+        jax.tree.map(np.testing.assert_array_equal, back[i], layers[i if i in layers else str(i)])

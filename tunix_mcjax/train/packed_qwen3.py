@@ -4,6 +4,11 @@ It is Tunix's Qwen3 layer (`qwen3_layer`, which the engine's paged forward compu
 blockwise segment attention (`segment_attention.py`) instead of a dense [B, T, T] mask, split in
 two so the trainer can score logprobs in chunks: `hidden_states` (final-normed, [B, T, D]) and
 `unembed` (fp32 logits for any leading shape).
+
+The layers run as `lax.scan`s over their weights stacked (`layer_runs`: the trainer stores them
+so, one stack per run of same-shaped layers), so the step holds one layer body whatever the
+depth; with remat the scanned body is checkpointed. A tree in Tunix's per-layer layout (a Tunix
+model's own state) is stacked in the step first: the same arithmetic, at the cost of the copy.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from tunix.models.qwen3.model import ModelConfig
 
+from tunix_mcjax.train import layer_runs
 from tunix_mcjax.train.qwen3_layer import decoder_layer, embed_tokens, rms_norm
 from tunix_mcjax.train.segment_attention import KEY_BLOCK, segment_attention
 
@@ -40,16 +46,27 @@ def hidden_states(cfg: ModelConfig, params: Params, tokens: jax.Array, positions
     def attend(q, k, v):
         return segment_attention(q, k, v, segment_ids, key_block), None
 
-    def layer(lp, x):
-        return _rows_sharded(decoder_layer(cfg, lp, x, positions, attend)[0])
+    def body(x, lp):
+        return _rows_sharded(decoder_layer(cfg, lp, x, positions, attend)[0]), None
 
     if remat:
-        layer = jax.checkpoint(layer)
+        body = jax.checkpoint(body)
     x = _rows_sharded(embed_tokens(cfg, params, tokens))
-    layers = params["layers"]
-    for i in range(cfg.num_layers):
-        x = layer(layers[i] if i in layers else layers[str(i)], x)
+    for stack in layer_stacks(params["layers"], cfg.num_layers):
+        x, _ = jax.lax.scan(body, x, stack)
     return rms_norm(x, params["final_norm"]["w"], cfg.norm_eps, cfg.dtype)
+
+
+def layer_stacks(layers: Params, num_layers: int) -> list[Params]:
+    """The stacks to scan, in layer order: the stored ones (`layer_runs`), or Tunix's per-layer
+    trees stacked here. Raises when they do not cover `num_layers` layers."""
+    if not layer_runs.is_runs(layers):
+        layers = layer_runs.stack_layers(layers)
+    stacks = [s for _, s in layer_runs.ordered(layers)]
+    depth = sum(jax.tree.leaves(s)[0].shape[0] for s in stacks)
+    if depth != num_layers:
+        raise ValueError(f"the param tree holds {depth} layers, the model config {num_layers}")
+    return stacks
 
 
 def unembed(cfg: ModelConfig, params: Params, x: jax.Array) -> jax.Array:
