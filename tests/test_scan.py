@@ -178,6 +178,41 @@ def test_lora_adapters_on_some_layers_decode_as_the_trainers_forward():
     np.testing.assert_allclose(out.logprobs, want, atol=1e-4)
 
 
+def test_the_trainers_stacks_load_as_they_are():
+    """The trainer's stacked tree (LoRA on layer 1: the layers' runs 0, 1, 2..) loads into the
+    engine without unstacking: every layer reads back as Tunix's tree has it, a stack of every
+    layer is the trainer's own buffer, and a later per-layer load leaves the trainer's intact."""
+    from tunix_mcjax.engine.trees import unflatten_tree
+    from tunix_mcjax.train import layer_runs
+
+    cfg = config.load_config(None, [f"base_num_decoder_layers={LAYERS}", "lora_rank=4",
+                                    "lora_alpha=8", "lora_module_path=layers/1/.*q_proj"])
+    mc = models.model_config(cfg, vocab_size=VOCAB, for_sampling=True)
+    model = lora.add_adapters(models.create_model(mc, 0))
+    per_layer = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    stacks = nnx.to_pure_dict(layer_runs.stack(nnx.state(model, nnx.Param)))
+    assert sorted(stacks["layers"]) == ["from_0", "from_1", "from_2"]
+    base = {path: x for path, x in flatten_tree(per_layer).items() if "lora" not in path[-1]}
+    whole = layer_runs.stack(unflatten_tree(base))  # no adapters: one run of every layer
+    assert list(whole["layers"]) == ["from_0"]
+    engine = JaxEngine(mc, jax.devices()[:1], pad_id=0, eos_ids=(1,), max_prompt_length=8,
+                       max_new_tokens=4)
+    engine.load_weights(stacks)
+    got, want = flatten_tree(engine.weights()), flatten_tree(per_layer)
+    assert got.keys() == want.keys()
+    for path, leaf in want.items():
+        np.testing.assert_array_equal(got[path], leaf)
+    engine.load_weights(whole)
+    k = whole["layers"]["from_0"]["attn"]["k_proj"]["w"]
+    held = engine._params[0].tree()["layers"]["attn"]["k_proj"]["w"]
+    assert held.unsafe_buffer_pointer() == k.unsafe_buffer_pointer()
+    before = np.asarray(k)
+    engine.load_weights({"layers": {"1": {"attn": {"k_proj": {"w": 2 * before[1]}}}}})
+    np.testing.assert_array_equal(np.asarray(k), before)
+    np.testing.assert_array_equal(engine.weights()["layers"]["1"]["attn"]["k_proj"]["w"],
+                                  2 * before[1])
+
+
 # ----- the trainer's step ----------------------------------------------------------------------
 
 

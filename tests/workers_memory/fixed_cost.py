@@ -58,7 +58,8 @@ def publish_check(trainer: Trainer, engine: JaxEngine, single_call: bool) -> dic
         for key, ptrs in buffers(engine.weights(r)).items():
             if key in source:
                 loaded.setdefault(key, set()).update(ptrs)
-    return {"equal": equal, "leaves": len(want), "gather_calls": publisher.gather_calls,
+    return {"equal": equal, "leaves": len(flatten_tree(trainer.engine_params())),
+            "gather_calls": publisher.gather_calls,
             "shared_buffers": loaded == source}
 
 

@@ -128,8 +128,6 @@ def _stacked_model(config: Any, graphdef: nnx.GraphDef, *states: nnx.State) -> S
     return StackedQwen3(config, nnx.to_pure_dict(state))
 
 
-def _qwen3_engine_params(params: nnx.State) -> dict:
-    return nnx.to_pure_dict(layer_runs.unstack(params))
 
 
 def _qwen3_hidden(model, tokens, positions, segment_ids, *, remat: bool = False):
@@ -147,9 +145,10 @@ def _qwen3_forward(model, tokens, positions, segment_ids):
 
 def qwen3_policy(model: nnx.Module) -> tuple[Policy, nnx.State]:
     """A Tunix Qwen3 model as a Policy, plus its params with the layers stacked
-    (`layer_runs.stack`, the trainer's layout); the engine gets Tunix's per-layer tree."""
+    (`layer_runs.stack`, the trainer's layout). The engine gets the stacks as they are: the
+    jax engine scans them (`layer_stack.StackedParams`), the vLLM engine unstacks them."""
     graphdef, params = nnx.split(model, nnx.Param)
-    policy = Policy(graphdef, _qwen3_forward, _qwen3_engine_params, _qwen3_hidden,
+    policy = Policy(graphdef, _qwen3_forward, nnx.to_pure_dict, _qwen3_hidden,
                     _qwen3_unembed, per_device=True,
                     merge=functools.partial(_stacked_model, model.config),
                     per_layer=layer_runs.unstack)
