@@ -16,6 +16,11 @@ the end of the previous step, reduce-scatters every gradient in one buffer, upda
 with the same optax transformation, and all-gathers the new shards in one buffer; those full
 params feed the next step and the engine (`engine_params`), so publishing gathers nothing.
 
+Qwen3's params are held with their decoder layers stacked (`layer_runs`; `qwen3_policy` stacks
+Tunix's tree once), so params, gradients, optimizer moments and the flat buffers hold one leaf
+per stacked weight and the forward scans them: the step's program does not grow with depth.
+`model_params()` is Tunix's per-layer tree; the engines take the stacks (`engine_params`).
+
 With LoRA adapters in the tree (`nnx.LoRAParam`, `lora.py`), only they train, as in Tunix's
 `PeftTrainer` (`wrt=nnx.LoRAParam`): `params` and the optimizer state are the adapters', the base
 is `frozen` (gathered once for the flat step, whose collectives then carry adapters only), and
