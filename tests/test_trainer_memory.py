@@ -17,7 +17,7 @@ from tunix.rl import algo_core, common
 
 from tunix_mcjax import memory, models
 from tunix_mcjax.config import ConfigError, load_config
-from tunix_mcjax.train import packing
+from tunix_mcjax.train import layer_runs, packing
 from tunix_mcjax.train.loss import chunked_token_logps, token_logps
 from tunix_mcjax.train.qwen3_layer import attention as dense_attention
 from tunix_mcjax.train.segment_attention import segment_attention
@@ -275,7 +275,7 @@ def test_metrics_are_tunix_loss_kl_and_kl_loss(mode):
     ref_model = models.create_model(models.model_config(cfg, 40), 1, mesh)
     policy, params = qwen3_policy(model)
     trainer = Trainer(cfg, policy, params, mesh)
-    trainer.ref_params = nnx.state(ref_model, nnx.Param)
+    trainer.ref_params = layer_runs.stack(nnx.state(ref_model, nnx.Param))
     local, (prompts, completions, adv) = fixed_rows(cfg)
     metrics = trainer.step(local)
 
