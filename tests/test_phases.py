@@ -217,7 +217,7 @@ def test_importance_ratio_is_one_on_unchanged_weights():
     local = stepmath.local_batch(rows, rows.num_rows, 1, 0, cfg.loss_agg_mode, len(seqs),
                                  stepmath.completion_tokens(seqs))
     batch = {k: jnp.asarray(v) for k, v in local.items()}
-    logits = policy.forward(nnx.merge(policy.graphdef, params), batch["tokens"],
+    logits = policy.forward(policy.model(params), batch["tokens"],
                             batch["positions"], batch["segment_ids"])
     logps = loss.token_logps(logits, batch["targets"], cfg.decode_sampling_temperature)
     mask = local["loss_mask"] > 0
