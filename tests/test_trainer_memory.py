@@ -117,13 +117,16 @@ def test_remat_keeps_gradients_and_drops_activation_memory():
 
     def grads(remat):
         def loss(params):
-            m = nnx.merge(policy.graphdef, params)
+            m = policy.model(params)
             return jnp.sum(policy.hidden(m, tokens, positions, seg, remat=remat) ** 2)
         return jax.grad(loss)
 
     jax.tree.map(lambda a, w: np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-6),
                  grads(True)(params), grads(False)(params))
-    assert temp_bytes(grads(True), params) < temp_bytes(grads(False), params) / 2
+    # Without remat the scanned layers keep their projections' outputs only
+    # (packed_qwen3.SAVED_WITHOUT_REMAT), so remat saves less than it did unrolled (measured:
+    # 10.6 MB against 14.3; unrolled it halved them).
+    assert temp_bytes(grads(True), params) < 0.8 * temp_bytes(grads(False), params)
 
 
 # --- chunked logprobs --------------------------------------------------------------------------
