@@ -23,7 +23,7 @@ from tunix_mcjax import models, topology
 from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.rewards import group_advantages
 from tunix_mcjax.runtime import phases
-from tunix_mcjax.train import loss, packing
+from tunix_mcjax.train import layer_runs, loss, packing
 from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 
 VOCAB = 40
@@ -51,7 +51,8 @@ def trajectories(seed: int = 11):
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
-    return {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(tree)}
+    return {"/".join(map(str, k)): np.asarray(v.get_value())
+            for k, v in nnx.to_flat_state(layer_runs.unstack(tree))}
 
 
 class TunixAgentic:

@@ -64,3 +64,39 @@ def test_numpy_entries_restore_as_numpy(tmp_path):
     ckpt.close()
     assert isinstance(restored["output_len"], np.ndarray)
     np.testing.assert_array_equal(restored["output_len"], lengths)
+
+
+def test_a_per_layer_checkpoint_restores_into_stacked_layers(tmp_path):
+    """A checkpoint in Tunix's per-layer layout (params and Adam's moments, as saved before the
+    trainer stacked its layers) restores into the trainer's stacked tree, every value exact."""
+    import jax
+    from flax import nnx
+
+    from tunix_mcjax import models
+    from tunix_mcjax.config import load_config
+    from tunix_mcjax.train import layer_runs
+    from tunix_mcjax.train.trainer import make_optimizer
+
+    cfg = load_config(None, [*TINY, "base_num_decoder_layers=3"])
+    mc = models.model_config(cfg, 32)
+    _, saved_params = nnx.split(models.create_model(mc, 0), nnx.Param)
+    tx = make_optimizer(cfg)
+    grads = jax.tree.map(lambda x: jnp.full_like(x, 0.25), saved_params)
+    _, saved_opt = tx.update(grads, tx.init(saved_params), saved_params)
+    ckpt = Checkpointer(tmp_path / "ckpt", 2)
+    ckpt.save(4, {"params": saved_params, "opt_state": saved_opt})
+
+    _, other = nnx.split(models.create_model(mc, 1), nnx.Param)
+    like_params = layer_runs.stack(other)
+    like = {"params": like_params, "opt_state": tx.init(like_params)}
+    restored = ckpt.restore(4, like)
+    ckpt.close()
+    assert jax.tree.structure(restored) == jax.tree.structure(like)
+    assert list(restored["params"]["layers"]) == ["from_0"]
+    want = jax.tree.leaves({"params": saved_params, "opt_state": saved_opt})
+    got = jax.tree.leaves(layer_runs.unstack(restored))
+    assert len(got) == len(want) > 10
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_array_equal(np.asarray(g), np.asarray(w))
+    moments = [x for x in jax.tree.leaves(restored["opt_state"]) if x.ndim == 4]
+    assert moments and all(np.abs(np.asarray(m)).max() > 0 for m in moments)

@@ -23,7 +23,7 @@ from tunix_mcjax.engine.jax_engine import JaxEngine
 from tunix_mcjax.publish import Publisher
 from tunix_mcjax.rewards import group_advantages
 from tunix_mcjax.runtime import exchange, phases, stepmath
-from tunix_mcjax.train import loss, packing
+from tunix_mcjax.train import layer_runs, loss, packing
 from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 
 SHAPE = [*TINY, "batch_size=4", "num_generations=4", "max_prefill_predict_length=4",
@@ -58,7 +58,8 @@ def _cfg(**changes):
 
 
 def _flat(tree) -> dict[str, np.ndarray]:
-    return {"/".join(map(str, k)): np.asarray(v.get_value()) for k, v in nnx.to_flat_state(tree)}
+    return {"/".join(map(str, k)): np.asarray(v.get_value())
+            for k, v in nnx.to_flat_state(layer_runs.unstack(tree))}
 
 
 def assert_applied(initial: dict, params, grads: dict, lr: float) -> None:
@@ -216,7 +217,7 @@ def test_importance_ratio_is_one_on_unchanged_weights():
     local = stepmath.local_batch(rows, rows.num_rows, 1, 0, cfg.loss_agg_mode, len(seqs),
                                  stepmath.completion_tokens(seqs))
     batch = {k: jnp.asarray(v) for k, v in local.items()}
-    logits = policy.forward(nnx.merge(policy.graphdef, params), batch["tokens"],
+    logits = policy.forward(policy.model(params), batch["tokens"],
                             batch["positions"], batch["segment_ids"])
     logps = loss.token_logps(logits, batch["targets"], cfg.decode_sampling_temperature)
     mask = local["loss_mask"] > 0

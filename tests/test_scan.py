@@ -176,3 +176,94 @@ def test_lora_adapters_on_some_layers_decode_as_the_trainers_forward():
     logits[:, 0] = -np.inf  # pad is never sampled
     np.testing.assert_array_equal(out.tokens, logits.argmax(-1))
     np.testing.assert_allclose(out.logprobs, want, atol=1e-4)
+
+
+def test_the_trainers_stacks_load_as_they_are():
+    """The trainer's stacked tree (LoRA on layer 1: the layers' runs 0, 1, 2..) loads into the
+    engine without unstacking: every layer reads back as Tunix's tree has it, a stack of every
+    layer is the trainer's own buffer, and a later per-layer load leaves the trainer's intact."""
+    from tunix_mcjax.engine.trees import unflatten_tree
+    from tunix_mcjax.train import layer_runs
+
+    cfg = config.load_config(None, [f"base_num_decoder_layers={LAYERS}", "lora_rank=4",
+                                    "lora_alpha=8", "lora_module_path=layers/1/.*q_proj"])
+    mc = models.model_config(cfg, vocab_size=VOCAB, for_sampling=True)
+    model = lora.add_adapters(models.create_model(mc, 0))
+    per_layer = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    stacks = nnx.to_pure_dict(layer_runs.stack(nnx.state(model, nnx.Param)))
+    assert sorted(stacks["layers"]) == ["from_0", "from_1", "from_2"]
+    base = {path: x for path, x in flatten_tree(per_layer).items() if "lora" not in path[-1]}
+    whole = layer_runs.stack(unflatten_tree(base))  # no adapters: one run of every layer
+    assert list(whole["layers"]) == ["from_0"]
+    engine = JaxEngine(mc, jax.devices()[:1], pad_id=0, eos_ids=(1,), max_prompt_length=8,
+                       max_new_tokens=4)
+    engine.load_weights(stacks)
+    got, want = flatten_tree(engine.weights()), flatten_tree(per_layer)
+    assert got.keys() == want.keys()
+    for path, leaf in want.items():
+        np.testing.assert_array_equal(got[path], leaf)
+    engine.load_weights(whole)
+    k = whole["layers"]["from_0"]["attn"]["k_proj"]["w"]
+    held = engine._params[0].tree()["layers"]["attn"]["k_proj"]["w"]
+    assert held.unsafe_buffer_pointer() == k.unsafe_buffer_pointer()
+    before = np.asarray(k)
+    engine.load_weights({"layers": {"1": {"attn": {"k_proj": {"w": 2 * before[1]}}}}})
+    np.testing.assert_array_equal(np.asarray(k), before)
+    np.testing.assert_array_equal(engine.weights()["layers"]["1"]["attn"]["k_proj"]["w"],
+                                  2 * before[1])
+
+
+# ----- the trainer's step ----------------------------------------------------------------------
+
+
+def lowered_train_step(layers: int, overrides: list[str]) -> str:
+    """The StableHLO of the trainer's step (`Trainer.lower`, from shapes as tunix_mcjax.aot
+    builds it) on the process's CPU devices, at `layers` layers."""
+    import types
+
+    from jax.sharding import AxisType, Mesh
+
+    from tests.mp import TINY
+    from tunix_mcjax.aot.programs import AbstractTrainer, abstract_policy, train_batch
+
+    cfg = config.load_config(None, [*TINY, f"base_num_decoder_layers={layers}",
+                                    "max_target_length=16", "grpo_beta=0.04", *overrides])
+    mc = models.model_config(cfg, vocab_size=VOCAB)
+    mesh = Mesh(np.array(jax.devices()).reshape(-1, 1), ("fsdp", "tp"),
+                axis_types=(AxisType.Auto, AxisType.Auto))
+    policy, params = abstract_policy(cfg, mc, mesh)
+    trainer = AbstractTrainer(cfg, policy, params, mesh, 2**30)
+    layout = types.SimpleNamespace(micro_batches=trainer.micro_batches, micro_rows=1)
+    return trainer.lower(train_batch(trainer, layout, cfg.max_target_length)).as_text()
+
+
+@pytest.mark.parametrize("overrides", [
+    ["fsdp_gather_params_once=true"], ["fsdp_gather_params_once=false", "remat_policy=full"],
+    ["fsdp_gather_params_once=true", "lora_rank=4", "lora_alpha=8",
+     "lora_module_path=.*(q|down)_proj"]], ids=["flat", "sharded-remat", "lora"])
+def test_the_train_step_holds_one_layer_body_whatever_the_depth(overrides):
+    """At 2 and 6 layers the train step lowers to the same matmuls (the policy's and the
+    reference's forward and backward): its layers are scanned, not unrolled."""
+    def dots(text):
+        return len(re.findall(r"stablehlo\.dot_general", text))
+    shallow, deep = dots(lowered_train_step(2, overrides)), dots(lowered_train_step(6, overrides))
+    assert shallow == deep > 7 * 3  # 7 projections, forward and backward
+
+
+def test_layers_stack_by_runs_of_the_same_tree():
+    """LoRA adapters on layer 1 of 4: three runs, each stack holding its layers' leaves, and
+    unstacking gives every layer back."""
+    from tunix_mcjax.train import layer_runs
+
+    plain = {"w": jnp.ones((2, 3))}
+    adapted = {"w": jnp.ones((2, 3)), "w_lora_a": jnp.ones((2, 1))}
+    layers = {0: plain, "1": adapted, 2: {"w": 2 * jnp.ones((2, 3))}, 3: {"w": jnp.zeros((2, 3))}}
+    stacks = layer_runs.stack_layers(layers)
+    assert {k: jax.tree.map(jnp.shape, s) for k, s in stacks.items()} == {
+        "from_0": {"w": (1, 2, 3)}, "from_1": {"w": (1, 2, 3), "w_lora_a": (1, 2, 1)},
+        "from_2": {"w": (2, 2, 3)}}
+    np.testing.assert_array_equal(stacks["from_2"]["w"][:, 0, 0], [2.0, 0.0])
+    back = layer_runs.unstack_layers(stacks)
+    assert sorted(back) == [0, 1, 2, 3]
+    for i in range(4):
+        jax.tree.map(np.testing.assert_array_equal, back[i], layers[i if i in layers else str(i)])

@@ -24,7 +24,7 @@ from tunix_mcjax.engine.base import SamplingParams
 from tunix_mcjax.engine.jax_engine import JaxEngine
 from tunix_mcjax.engine.stops import generation_config_eos_ids, model_stop_ids
 from tunix_mcjax.tokenizer import resolve_tokenizer_path
-from tunix_mcjax.train import packing
+from tunix_mcjax.train import layer_runs, packing
 from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 
 ENDOFTEXT, IM_END = 151643, 151645
@@ -156,10 +156,11 @@ def _trainer_grad_norm(cfg, mc, params, rows: packing.Rows) -> float:
                             ENDOFTEXT)
     train_cfg = cfg.replace(loss_agg_mode="token-mean")
     model = models.create_model(models.model_config(train_cfg, mc.vocab_size), 0, mesh)
-    policy, state = qwen3_policy(model)
+    policy, _ = qwen3_policy(model)
+    state = nnx.state(model, nnx.Param)
     nnx.replace_by_pure_dict(state, jax.tree.map(jnp.asarray, params))
-    state = jax.tree.map(lambda x, s: jax.device_put(x, s.sharding), state,
-                         nnx.state(model, nnx.Param))
+    state = layer_runs.stack(jax.tree.map(lambda x, s: jax.device_put(x, s.sharding), state,
+                                          nnx.state(model, nnx.Param)))
     local = {f: getattr(rows, f) for f in ("tokens", "positions", "segment_ids", "targets",
                                            "loss_mask", "advantages", "old_logps")}
     local["weights"] = (rows.loss_mask / rows.loss_mask.sum()).astype(np.float32)

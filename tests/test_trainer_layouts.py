@@ -30,7 +30,12 @@ def assert_same_update(npz, variant: str) -> None:
     moved = 0
     for key in keys:
         want, got = npz[f"gather/final/{key}"], npz[f"{variant}/final/{key}"]
-        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+        # Adam's first step moves an element by lr * g / (|g| + eps): where the gradient is
+        # near eps (1e-8) the step amplifies its rounding (another summation order; measured
+        # 6e-4 of a step after the layers were scanned), so the floor is a share of the step.
+        step = np.abs(want - npz[f"initial/{key}"]).max()
+        np.testing.assert_allclose(got, want, rtol=1e-5,
+                                   atol=max(1e-5 * np.abs(want).max(), 1e-3 * step),
                                    err_msg=f"{variant}: {key}")
         moved += int(not np.array_equal(want, npz[f"initial/{key}"]))
     assert moved == len(keys)  # every leaf moved, so the comparison has teeth

@@ -17,7 +17,7 @@ from tunix.rl import algo_core, common
 
 from tunix_mcjax import memory, models
 from tunix_mcjax.config import ConfigError, load_config
-from tunix_mcjax.train import packing
+from tunix_mcjax.train import layer_runs, packing
 from tunix_mcjax.train.loss import chunked_token_logps, token_logps
 from tunix_mcjax.train.qwen3_layer import attention as dense_attention
 from tunix_mcjax.train.segment_attention import segment_attention
@@ -117,13 +117,16 @@ def test_remat_keeps_gradients_and_drops_activation_memory():
 
     def grads(remat):
         def loss(params):
-            m = nnx.merge(policy.graphdef, params)
+            m = policy.model(params)
             return jnp.sum(policy.hidden(m, tokens, positions, seg, remat=remat) ** 2)
         return jax.grad(loss)
 
     jax.tree.map(lambda a, w: np.testing.assert_allclose(a, w, rtol=1e-5, atol=1e-6),
                  grads(True)(params), grads(False)(params))
-    assert temp_bytes(grads(True), params) < temp_bytes(grads(False), params) / 2
+    # Without remat the scanned layers keep their projections' outputs only
+    # (packed_qwen3.SAVED_WITHOUT_REMAT), so remat saves less than it did unrolled (measured:
+    # 10.6 MB against 14.3; unrolled it halved them).
+    assert temp_bytes(grads(True), params) < 0.8 * temp_bytes(grads(False), params)
 
 
 # --- chunked logprobs --------------------------------------------------------------------------
@@ -275,7 +278,7 @@ def test_metrics_are_tunix_loss_kl_and_kl_loss(mode):
     ref_model = models.create_model(models.model_config(cfg, 40), 1, mesh)
     policy, params = qwen3_policy(model)
     trainer = Trainer(cfg, policy, params, mesh)
-    trainer.ref_params = nnx.state(ref_model, nnx.Param)
+    trainer.ref_params = layer_runs.stack(nnx.state(ref_model, nnx.Param))
     local, (prompts, completions, adv) = fixed_rows(cfg)
     metrics = trainer.step(local)
 

@@ -28,6 +28,13 @@ class ModelShape:
     layer_param_count: int  # one decoder layer
     sharded_param_count: int  # per device, FSDP over all devices (dims that divide)
     largest_leaf: int
+    largest_layer_leaf: int = 0  # one decoder layer's largest
+
+    @property
+    def largest_published_leaf(self) -> int:
+        """The largest leaf a publish moves: the trainer's layers are stacked (`layer_runs`), so
+        a layer leaf moves as one [layers, ...] array."""
+        return max(self.largest_leaf, self.layers * self.largest_layer_leaf)
 
 
 def model_shape(mc, fsdp: int) -> ModelShape:
@@ -40,18 +47,20 @@ def model_shape(mc, fsdp: int) -> ModelShape:
     leaves = [(tuple(path), v.get_value()) for path, v in nnx.to_flat_state(state)]
     specs = dict((tuple(p), v.get_value()) for p, v in
                  nnx.to_flat_state(nnx.get_partition_spec(state)))
-    total = sharded = layer0 = largest = 0
+    total = sharded = layer0 = largest = largest_layer = 0
     for path, leaf in leaves:
         n = math.prod(leaf.shape)
         total += n
         largest = max(largest, n)
         layer0 += n if path[:2] == ("layers", 0) else 0
+        largest_layer = max(largest_layer, n if path[:2] == ("layers", 0) else 0)
         spec = tuple(specs[path]) + (None,) * len(leaf.shape)
         sharded += math.prod(-(-d // fsdp) if "fsdp" in _axes(a) else d
                              for d, a in zip(leaf.shape, spec[:len(leaf.shape)], strict=True))
     return ModelShape(mc.num_layers, mc.embed_dim, mc.num_heads * mc.head_dim,
                       mc.num_kv_heads * mc.head_dim, mc.num_kv_heads, mc.head_dim, mc.num_heads,
-                      mc.hidden_dim, mc.vocab_size, total, layer0, sharded, largest)
+                      mc.hidden_dim, mc.vocab_size, total, layer0, sharded, largest,
+                      largest_layer)
 
 
 def _axes(axis) -> tuple:
@@ -81,7 +90,11 @@ BLOCKWISE_HEADS_X_KEYS = (2.0, 0.0)
 # kv_width), gate, up, silu's three and their product (6 x mlp), and RoPE's sin and cos for q
 # and k (2 x head_dim, each half of it). With the weights' cast (`params_cast_bytes`) the
 # train phase is 13%, 5% and 6% below XLA's at 8 chips (`tests/test_aot_cells.py`); the rest,
-# larger at short rows, is not itemised.
+# larger at short rows, is not itemised. These are the residuals of the layer unscanned. The
+# trainer now scans its stacked layers and keeps less (`packed_qwen3.SAVED_WITHOUT_REMAT`: the
+# projections' outputs, 22.5 KB a token and layer at Qwen3-0.6B in bf16 against the 53.8 KB
+# counted here), while XLA's peak also holds the backward's recompute of one layer; the totals
+# stay within 15% of XLA's (bench_results/aot/*-train.json), so the count is kept as fitted.
 TPU_SAVED_PER_UNIT = {"embed": 2, "q_width": 2, "kv_width": 2, "mlp": 6, "head_dim": 2}
 # fp32 per query head: blockwise attention's running max and denominator (`_fwd`); the dense
 # formula (rows of one key block) keeps its probabilities instead, in fp32 and the compute dtype

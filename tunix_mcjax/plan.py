@@ -388,7 +388,8 @@ def plan(cfg: Config, cluster: Cluster, mc, routing: tuple[int, int] | None = No
         + items["process baseline"]
     train_keys = ("gradients", "gathered params + grads", "reference params", "activations",
                   "params cast", "logits", "bf16 matmul fp32 copy")
-    publish = m.param_count * w if cfg.rl_publish_weights_single_call else m.largest_leaf * w
+    publish = m.param_count * w if cfg.rl_publish_weights_single_call \
+        else m.largest_published_leaf * w
     phases = {
         "generate": state + pool - kept + generate_scratch(engine_bytes)
         + items["bf16 matmul fp32 copy"] + items.get("routing indices (engine)", 0),

@@ -22,6 +22,7 @@ from tunix_mcjax import models, topology
 from tunix_mcjax.engine import Completion
 from tunix_mcjax.rewards import group_advantages
 from tunix_mcjax.runtime.phases import pack_local
+from tunix_mcjax.train import layer_runs
 from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 
 VOCAB = 40
@@ -76,7 +77,8 @@ def flat(tree) -> dict[str, np.ndarray]:
     return {
         "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path):
             np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-        for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(tree))[0]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(
+            nnx.to_pure_dict(layer_runs.unstack(tree)))[0]
     }
 
 

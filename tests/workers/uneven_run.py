@@ -41,7 +41,7 @@ def main() -> None:
     trainer_params = {
         "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path):
             np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-        for path, leaf in jax.tree_util.tree_flatten_with_path(rt.trainer.engine_params())[0]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(rt.trainer.model_params())[0]
     }
     engine = rt.engine.engine
     diffs = []

@@ -46,7 +46,7 @@ def publish_check(trainer: Trainer, engine: JaxEngine, single_call: bool) -> dic
     publisher = Publisher(trainer.mesh, single_call)
     publisher.publish(trainer.engine_params(), engine, gathered=trainer.engine_params_gathered)
     want = {"/".join(map(str, p)): np.asarray(jax.device_get(x))
-            for p, x in flatten_tree(nnx.to_pure_dict(trainer.params)).items()}
+            for p, x in flatten_tree(nnx.to_pure_dict(trainer.model_params())).items()}
     equal = all(np.array_equal(np.asarray(leaf), want["/".join(map(str, path))])
                 for r in range(engine.num_replicas)
                 for path, leaf in flatten_tree(engine.weights(r)).items())
@@ -58,7 +58,8 @@ def publish_check(trainer: Trainer, engine: JaxEngine, single_call: bool) -> dic
         for key, ptrs in buffers(engine.weights(r)).items():
             if key in source:
                 loaded.setdefault(key, set()).update(ptrs)
-    return {"equal": equal, "leaves": len(want), "gather_calls": publisher.gather_calls,
+    return {"equal": equal, "leaves": len(flatten_tree(trainer.engine_params())),
+            "gather_calls": publisher.gather_calls,
             "shared_buffers": loaded == source}
 
 

@@ -20,7 +20,7 @@ from tests.workers.fixed_update import VOCAB, fixed_batch
 from tunix_mcjax import models
 from tunix_mcjax.config import load_config
 from tunix_mcjax.rewards import group_advantages
-from tunix_mcjax.train import packing
+from tunix_mcjax.train import layer_runs, packing
 from tunix_mcjax.train.trainer import Trainer, loss_weights, qwen3_policy
 
 VARIANTS = {
@@ -35,7 +35,8 @@ BASE = [*TINY, "batch_size=4", "num_generations=4", "max_prefill_predict_length=
 
 def flat(tree) -> dict[str, np.ndarray]:
     return {"/".join(str(getattr(k, "key", k)) for k in path): np.asarray(leaf)
-            for path, leaf in jax.tree_util.tree_flatten_with_path(nnx.to_pure_dict(tree))[0]}
+            for path, leaf in jax.tree_util.tree_flatten_with_path(
+                nnx.to_pure_dict(layer_runs.unstack(tree)))[0]}
 
 
 def local_rows(cfg, num_devices: int) -> dict[str, np.ndarray]:

@@ -72,7 +72,7 @@ def engine_vs_trainer(rt: colocated.ColocatedRuntime) -> dict[str, float]:
     from all hosts and cast to the engine's dtype."""
     trainer = {
         tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in path): leaf
-        for path, leaf in jax.tree_util.tree_flatten_with_path(rt.trainer.engine_params())[0]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(rt.trainer.model_params())[0]
     }
     worst, compared = 0.0, 0
     for replica in range(rt.engine.num_replicas):

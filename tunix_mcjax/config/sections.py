@@ -336,7 +336,9 @@ class TrainMemory:
         check=at_least(0, "(0: no chunking)"))
     remat_policy: Literal["none", "full"] = key(
         "none", "full: keep only each decoder layer's input for the backward and recompute the "
-        "layer (MaxText's key); none: keep all activations.")
+        "layer (MaxText's key); none: keep its projections' outputs and recompute the ops "
+        "between them (norms, RoPE, SiLU, attention's products) in the Tunix Qwen3 trainer "
+        "(train/packed_qwen3.py); MaxText's model applies its own remat_policy.")
 
 
 @section

@@ -26,7 +26,7 @@ from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3 import model as qwen3
 
 from tunix_mcjax import hostmem, memory
-from tunix_mcjax.engine import pages
+from tunix_mcjax.engine import layer_stack, pages
 from tunix_mcjax.engine.base import Completion, Engine, SamplingParams
 from tunix_mcjax.engine.buckets import pack_prompts, pow2_at_least, prompt_bucket
 from tunix_mcjax.engine.decode_loop import build_program
@@ -229,8 +229,9 @@ class JaxEngine(Engine):
 
     def load_weights(self, params: Any) -> None:
         flat = flatten_tree(params)
+        specs = {path: self._spec_of(path, leaf) for path, leaf in flat.items()}
         for path, leaf in flat.items():
-            spec = self._leaf_specs.get(path)
+            spec = specs[path]
             if spec is None:
                 raise ValueError(f"unknown param {'/'.join(path)}: not in the engine's param tree")
             if tuple(np.shape(leaf)) != spec.shape:
@@ -241,7 +242,16 @@ class JaxEngine(Engine):
         for mesh, replica_params in zip(self.meshes, self._params, strict=True):
             with jax.set_mesh(mesh):  # a cast runs on the replica, not the trainer's mesh
                 for path, leaf in flat.items():
-                    replica_params[path] = self._place(leaf, self._leaf_specs[path], mesh)
+                    replica_params[path] = self._place(leaf, specs[path], mesh)
+
+    def _spec_of(self, path: LeafPath, leaf: Any) -> _LeafSpec | None:
+        """A path's spec; a trainer's layer run (`layer_stack.run_of`) stacks its first
+        layer's, the layer axis unsplit."""
+        if layer_stack.run_of(path) is None:
+            return self._leaf_specs.get(path)
+        first = self._leaf_specs.get(layer_stack.first_layer_path(path))
+        return first and _LeafSpec((np.shape(leaf)[0], *first.shape), first.dtype,
+                                   P(None, *first.partition))
 
     def _place(self, leaf: Any, spec: _LeafSpec, mesh: Mesh) -> jax.Array:
         """Put one leaf on `mesh`; a replicated jax Array is used in place, shard by shard."""

@@ -5,6 +5,10 @@ as the engine loads and reports it, that holds each per-layer leaf as one array 
 (`layers/attn/q_proj/w` [L, ...]). A loaded layer leaf is written into its stack in place (a
 donated update), so loading costs one leaf of memory at a time and nothing per generate
 restacks; `tree()` is the stacked tree the engine's program scans over.
+
+It also takes the trainer's stacks as they are (`layers/from_<s>/attn/q_proj/w` [n, ...],
+`train.layer_runs`): a stack of every layer becomes the engine's stack with no copy, a shorter
+run (LoRA on some layers) is written into its layers' slice; nothing is unstacked.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from tunix_mcjax.train.layer_runs import RUN, run_start
+
 LeafPath = tuple[str, ...]
 LAYERS = "layers"
 
@@ -29,9 +35,29 @@ def layer_of(path: LeafPath) -> tuple[int, LeafPath] | None:
     return None
 
 
+def run_of(path: LeafPath) -> tuple[int, LeafPath] | None:
+    """(first layer, stacked path) of a trainer's run path `layers/from_<s>/...`; None else."""
+    if len(path) > 2 and path[0] == LAYERS and path[1].startswith(RUN):
+        return run_start(path[1]), (LAYERS, *path[2:])
+    return None
+
+
+def first_layer_path(path: LeafPath) -> LeafPath:
+    """The per-layer path of a run's first layer (whose spec a run's leaf stacks)."""
+    start, stacked = run_of(path)
+    return (LAYERS, str(start), *stacked[1:])
+
+
 @functools.lru_cache
 def _zeros(shape: tuple[int, ...], dtype: Any, sharding: NamedSharding):
     return jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
+
+
+@functools.lru_cache
+def _run_setter(sharding: NamedSharding):
+    """stack, run, s -> the stack with layers s.. set to the run's, in the stack's buffer."""
+    return jax.jit(lambda stack, run, s: jax.lax.dynamic_update_slice_in_dim(
+        stack, run.astype(stack.dtype), s, 0), donate_argnums=0, out_shardings=sharding)
 
 
 @functools.lru_cache
@@ -59,8 +85,12 @@ class StackedParams(Mapping):
         self._stacks: dict[LeafPath, jax.Array] = {}  # stacked path -> [L, ...]
         self._others: dict[LeafPath, jax.Array] = {}  # embedder, final norm, ...
         self._loaded: dict[LeafPath, None] = {}  # per-layer paths set at least once, in order
+        self._adopted: set[LeafPath] = set()  # stacks that are a loaded array (not ours to donate)
 
     def __setitem__(self, path: LeafPath, leaf: jax.Array) -> None:
+        if run_of(path) is not None:
+            self._set_run(path, leaf)
+            return
         found = layer_of(path)
         if found is None:
             self._others[path] = leaf
@@ -70,12 +100,40 @@ class StackedParams(Mapping):
             raise ValueError(f"param {'/'.join(path)}: layer {index} is not one of the "
                              f"model's {self.num_layers}")
         sharding = stacked_sharding(leaf)
-        stack = self._stacks.get(stacked)
         with jax.set_mesh(sharding.mesh):  # not the trainer's mesh a publish may run under
-            if stack is None:
-                stack = _zeros((self.num_layers, *leaf.shape), leaf.dtype, sharding)()
+            stack = self._own_stack(stacked, leaf.shape, leaf.dtype, sharding)
             self._stacks[stacked] = _setter(sharding)(stack, leaf, index)
         self._loaded[path] = None
+
+    def _own_stack(self, stacked: LeafPath, shape: tuple[int, ...], dtype: Any,
+                   sharding: NamedSharding) -> jax.Array:
+        """The stack at `stacked` as a buffer this store may donate: zeros when there is none,
+        a copy of an adopted one (the trainer's array stays intact)."""
+        stack = self._stacks.get(stacked)
+        if stack is None:
+            return _zeros((self.num_layers, *shape), dtype, sharding)()
+        if stacked in self._adopted:
+            self._adopted.discard(stacked)
+            return jax.jit(jnp.copy, out_shardings=sharding)(stack)
+        return stack
+
+    def _set_run(self, path: LeafPath, leaf: jax.Array) -> None:
+        """A trainer's stack of layers s..s+n-1 (placed with the layer axis unsplit)."""
+        start, stacked = run_of(path)
+        n = leaf.shape[0]
+        if start < 0 or start + n > self.num_layers:
+            raise ValueError(f"param {'/'.join(path)}: layers {start}..{start + n - 1} are not "
+                             f"all among the model's {self.num_layers}")
+        if n == self.num_layers:
+            self._stacks[stacked] = leaf
+            self._adopted.add(stacked)
+        else:
+            sharding = leaf.sharding
+            with jax.set_mesh(sharding.mesh):
+                stack = self._own_stack(stacked, leaf.shape[1:], leaf.dtype, sharding)
+                self._stacks[stacked] = _run_setter(sharding)(stack, leaf, start)
+        for i in range(start, start + n):
+            self._loaded[(LAYERS, str(i), *stacked[1:])] = None
 
     def __getitem__(self, path: LeafPath) -> jax.Array:
         """A per-layer path's leaf: a slice of its stack (a copy; the program never asks)."""

@@ -36,6 +36,7 @@ from tunix_mcjax.engine import hf_qwen3, vllm_publish
 from tunix_mcjax.engine.base import Completion, Engine, FinishReason, SamplingParams
 from tunix_mcjax.engine.stops import stop_reason
 from tunix_mcjax.engine.trees import flatten_tree
+from tunix_mcjax.train import layer_runs
 
 # Set before vLLM is first imported: one process, no engine-core subprocess.
 FORCED_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
@@ -197,7 +198,9 @@ class VllmEngine(Engine):
             ignore_eos=sampling.ignore_eos)
 
     def load_weights(self, params: Any) -> None:
-        """Publishes the WHOLE tree in one call; a partial tree is an error."""
+        """Publishes the WHOLE tree in one call; a partial tree is an error. A trainer's stacked
+        layers (`layer_runs`) are unstacked: vLLM takes per-layer names."""
+        params = layer_runs.unstack(params)
         flat = flatten_tree(params)
         hf_qwen3.check_complete(flat, self.model_config)
         if isinstance(self.publisher, vllm_publish.TpuInferencePublisher):

@@ -6,6 +6,12 @@ killed mid-save leaves the previous checkpoint intact, and the next run resumes 
 A newest checkpoint that cannot be read (truncated, corrupt) is reported and the one before it
 is used. A run that finds a checkpoint in its directory resumes after its step; data order is a
 function of the step, so it continues the same stream.
+
+Layout: a checkpoint holds the trainer's state as the trainer holds it, decoder layers stacked
+(`layer_runs`: params and optimizer moments alike), so a save copies nothing and a resume
+restores straight into the step's arrays. A checkpoint saved with Tunix's per-layer layout (every
+one written before the trainer stored its layers stacked) still restores: it is read per layer
+and stacked into the trainer's layout, so no checkpoint is lost.
 """
 
 from __future__ import annotations
@@ -19,6 +25,17 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from tunix_mcjax.config import Config, ConfigError, algorithm_fingerprint, fingerprint_mismatch
+from tunix_mcjax.train import layer_runs
+
+
+def holds_per_layer(metadata: Any) -> bool:
+    """Whether a checkpoint's tree metadata holds a `layers` node in Tunix's per-layer layout."""
+    if isinstance(metadata, dict):
+        return any((k == "layers" and layer_runs.is_per_layer(v)) or holds_per_layer(v)
+                   for k, v in metadata.items())
+    if isinstance(metadata, list | tuple):
+        return any(holds_per_layer(v) for v in metadata)
+    return False
 
 
 class Checkpointer:
@@ -43,15 +60,20 @@ class Checkpointer:
         """Restores into `like`'s tree structure, shapes and shardings (numpy leaves stay numpy).
 
         Top-level entries of `like` that the checkpoint does not hold (it predates them) are
-        left out of the result.
+        left out of the result. A checkpoint with per-layer `layers` restores into `like`'s
+        stacked layers (module docstring).
         """
-        saved = self.manager.item_metadata(step).keys()
-        like = {k: v for k, v in like.items() if k in saved}
+        saved = self.manager.item_metadata(step)
+        like = {k: v for k, v in like.items() if k in saved.keys()}
         abstract = jax.tree.map(
             lambda x: x if isinstance(x, np.ndarray) else ocp.utils.to_shape_dtype_struct(x), like)
+        per_layer = holds_per_layer(dict(saved.items())) and layer_runs.has_runs(abstract)
+        if per_layer:
+            abstract = layer_runs.unstack(abstract)
         restored = self.manager.restore(step, args=ocp.args.StandardRestore(abstract))
         # Orbax returns plain tuples for optax's named tuples: rebuild the original structure.
-        return jax.tree.unflatten(jax.tree.structure(like), jax.tree.leaves(restored))
+        restored = jax.tree.unflatten(jax.tree.structure(abstract), jax.tree.leaves(restored))
+        return layer_runs.stack(restored) if per_layer else restored
 
     def check_fingerprint(self, step: int, cfg: Config) -> None:
         """Refuses to resume under changed algorithm keys (older checkpoints carry none)."""

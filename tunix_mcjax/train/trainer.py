@@ -16,6 +16,11 @@ the end of the previous step, reduce-scatters every gradient in one buffer, upda
 with the same optax transformation, and all-gathers the new shards in one buffer; those full
 params feed the next step and the engine (`engine_params`), so publishing gathers nothing.
 
+Qwen3's params are held with their decoder layers stacked (`layer_runs`; `qwen3_policy` stacks
+Tunix's tree once), so params, gradients, optimizer moments and the flat buffers hold one leaf
+per stacked weight and the forward scans them: the step's program does not grow with depth.
+`model_params()` is Tunix's per-layer tree; the engines take the stacks (`engine_params`).
+
 With LoRA adapters in the tree (`nnx.LoRAParam`, `lora.py`), only they train, as in Tunix's
 `PeftTrainer` (`wrt=nnx.LoRAParam`): `params` and the optimizer state are the adapters', the base
 is `frozen` (gathered once for the flat step, whose collectives then carry adapters only), and
@@ -38,7 +43,7 @@ from flax import nnx
 
 from tunix_mcjax import memory
 from tunix_mcjax.config import Config, warmup_updates
-from tunix_mcjax.train import fsdp_flat, packed_qwen3
+from tunix_mcjax.train import fsdp_flat, layer_runs, packed_qwen3
 from tunix_mcjax.train.loss import (
     Corrections,
     chunked_token_logps,
@@ -85,6 +90,17 @@ class Policy:
     # The forward holds no sharding constraints of its own, so it can run on one device's rows
     # inside shard_map (the flat data-parallel step).
     per_device: bool = False
+    # (graphdef, *states) -> the model the forward takes; None: `nnx.merge` (a tree the
+    # graphdef describes). Qwen3's trainer params are stacked, which no nnx graphdef describes.
+    merge: Callable[..., Any] | None = None
+    # Trainer params -> the model's own layout (Tunix's per-layer tree); None: the same.
+    per_layer: Callable[[Any], Any] | None = None
+
+    def model(self, *states: Any) -> Any:
+        return (self.merge or nnx.merge)(self.graphdef, *states)
+
+    def to_model_layout(self, params: Any) -> Any:
+        return params if self.per_layer is None else self.per_layer(params)
 
 
 def packed_attention_mask(segment_ids: jax.Array) -> jax.Array:
@@ -96,8 +112,27 @@ def packed_attention_mask(segment_ids: jax.Array) -> jax.Array:
     return same & causal[None] & (segment_ids[:, :, None] > 0)
 
 
-def _tree(model: nnx.Module) -> dict:
+@dataclasses.dataclass(frozen=True)
+class StackedQwen3:
+    """The trainer's Qwen3 as its forward takes it: the config and the param tree (pure arrays,
+    layers stacked by `layer_runs`)."""
+
+    config: Any
+    params: dict
+
+
+def _tree(model: Any) -> dict:
+    if isinstance(model, StackedQwen3):
+        return model.params
     return nnx.to_pure_dict(nnx.state(model, nnx.Param))
+
+
+def _stacked_model(config: Any, graphdef: nnx.GraphDef, *states: nnx.State) -> StackedQwen3:
+    del graphdef  # describes the per-layer tree; the forward reads the stacks directly
+    state = states[0] if len(states) == 1 else nnx.merge_state(*states)
+    return StackedQwen3(config, nnx.to_pure_dict(state))
+
+
 
 
 def _qwen3_hidden(model, tokens, positions, segment_ids, *, remat: bool = False):
@@ -114,10 +149,15 @@ def _qwen3_forward(model, tokens, positions, segment_ids):
 
 
 def qwen3_policy(model: nnx.Module) -> tuple[Policy, nnx.State]:
-    """A Tunix Qwen3 model as a Policy, plus its params. The engine runs the same tree."""
+    """A Tunix Qwen3 model as a Policy, plus its params with the layers stacked
+    (`layer_runs.stack`, the trainer's layout). The engine gets the stacks as they are: the
+    jax engine scans them (`layer_stack.StackedParams`), the vLLM engine unstacks them."""
     graphdef, params = nnx.split(model, nnx.Param)
-    return Policy(graphdef, _qwen3_forward, nnx.to_pure_dict, _qwen3_hidden,
-                  _qwen3_unembed, per_device=True), params
+    policy = Policy(graphdef, _qwen3_forward, nnx.to_pure_dict, _qwen3_hidden,
+                    _qwen3_unembed, per_device=True,
+                    merge=functools.partial(_stacked_model, model.config),
+                    per_layer=layer_runs.unstack)
+    return policy, layer_runs.stack(params)
 
 
 def make_optimizer(cfg: Config) -> optax.GradientTransformation:
@@ -268,8 +308,7 @@ class Trainer:
             params = jax.lax.with_sharding_constraint(params, self.gathered)
             if frozen is not None:
                 frozen = jax.lax.with_sharding_constraint(frozen, self.frozen_gathered)
-        model = nnx.merge(policy.graphdef, params) if frozen is None else \
-            nnx.merge(policy.graphdef, frozen, params)
+        model = policy.model(params) if frozen is None else policy.model(frozen, params)
         args = (batch["tokens"], batch["positions"], batch["segment_ids"])
         temperature = cfg.decode_sampling_temperature
         if policy.hidden is None:
@@ -454,6 +493,10 @@ class Trainer:
     def lora(self) -> bool:
         """Whether only LoRA adapters train (the base is frozen)."""
         return self.frozen is not None
+
+    def model_params(self) -> Any:
+        """The trained params in the model's own layout (Tunix's per-layer tree for Qwen3)."""
+        return self.policy.to_model_layout(self.params)
 
     def engine_params(self, adapters_only: bool = False) -> Any:
         """The engine's param tree; with the flat step, built from its gathered full params.
