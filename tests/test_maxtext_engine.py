@@ -25,6 +25,7 @@ pytest.importorskip("maxtext")
 from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR  # noqa: E402
 
 from tests.mp import REPO, launch_worker, read_jsonl  # noqa: E402
+from tests.weights import perturbed  # noqa: E402
 from tunix_mcjax.config import ConfigError, load_config  # noqa: E402
 from tunix_mcjax.engine import SamplingParams, maxtext_engine, maxtext_model, maxtext_tpu  # noqa: E402
 from tunix_mcjax.engine import paged_attention as pa  # noqa: E402
@@ -74,18 +75,6 @@ def family_params(name: str) -> list:
 
 
 ALL = [p for name in FAMILIES for p in family_params(name)]
-
-
-def perturbed(params: nnx.State, seed: int, scale: float = 0.5) -> nnx.State:
-    """Random weights of some scale everywhere (MaxText's init gives near-constant argmaxes
-    and unit norm scales, which would hide a wrong cache or a skipped norm); scale 0: as
-    initialized."""
-    key = jax.random.key(seed)
-    for i, (_, var) in enumerate(nnx.to_flat_state(params)):
-        value = var.get_value()
-        noise = jax.random.normal(jax.random.fold_in(key, i), value.shape, value.dtype)
-        var.set_value(value + scale * noise)
-    return params
 
 
 class World:

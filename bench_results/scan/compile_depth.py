@@ -58,12 +58,8 @@ def samples(engine, path: str) -> None:
         json.dump(out, f)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("layers", type=int)
-    parser.add_argument("--samples")
-    args = parser.parse_args()
-    engine = build(args.layers)
+def first_generates(engine) -> tuple[list[float], list[float]]:
+    """Wall and process CPU seconds of the first two sampled generates (seeds 1, 2)."""
     prompts = [p for p in PROMPTS for _ in range(4)]
     sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
     times, cpu = [], []
@@ -72,6 +68,16 @@ def main() -> None:
         engine.generate(prompts, sampling, seed=seed)
         times.append(time.perf_counter() - start)
         cpu.append(time.process_time() - start_cpu)
+    return times, cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("layers", type=int)
+    parser.add_argument("--samples")
+    args = parser.parse_args()
+    engine = build(args.layers)
+    times, cpu = first_generates(engine)
     (program,) = engine._programs.values()
     memory = program.memory_analysis()
     text = program.as_text()

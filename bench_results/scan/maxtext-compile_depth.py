@@ -19,18 +19,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import time
 
 import jax
-from flax import nnx
+from compile_depth import first_generates, samples  # this directory's, on sys.path
 from maxtext.utils.globals import MAXTEXT_CONFIGS_DIR
 
-from tunix_mcjax.engine.base import SamplingParams
+from tests.weights import perturbed
 from tunix_mcjax.engine.maxtext_engine import MaxTextEngine
 from tunix_mcjax.maxtext import load_maxtext_config, policy
 
-PROMPTS = [[5 + i, 6 + 2 * i, 7 + 3 * i][: 1 + i % 3] + list(range(10 + i, 14 + 2 * i))
-           for i in range(8)]
 NARROW = ["override_model_config=true", "base_emb_dim=128", "base_num_query_heads=4",
           "base_num_kv_heads=2", "head_dim=32", "vocab_size=256", "weight_dtype=float32",
           "dtype=float32", "hardware=cpu", "attention=dot_product", "megablox=false",
@@ -44,15 +41,6 @@ FAMILIES = {
 }
 
 
-def perturbed(params: nnx.State, seed: int = 1, scale: float = 0.5) -> nnx.State:
-    key = jax.random.key(seed)
-    for i, (_, var) in enumerate(nnx.to_flat_state(params)):
-        value = var.get_value()
-        noise = jax.random.normal(jax.random.fold_in(key, i), value.shape, value.dtype)
-        var.set_value(value + scale * noise)
-    return params
-
-
 def build(family: str, layers: int) -> MaxTextEngine:
     args = ["", f"{MAXTEXT_CONFIGS_DIR}/post_train/rl.yml", *FAMILIES[family], *NARROW,
             f"base_num_decoder_layers={layers}"]
@@ -61,22 +49,8 @@ def build(family: str, layers: int) -> MaxTextEngine:
     _, params = policy.maxtext_policy(model, config)
     engine = MaxTextEngine(config, jax.devices()[:1], pad_id=0, eos_ids=(1,),
                            max_prompt_length=32, max_new_tokens=16, max_batch_size=32)
-    engine.load_weights(policy.maxtext_tree(perturbed(params)))
+    engine.load_weights(policy.maxtext_tree(perturbed(params, seed=1)))
     return engine
-
-
-def samples(engine: MaxTextEngine, path: str) -> None:
-    """Greedy and sampled completions at fixed seeds, as lists."""
-    prompts = [p for p in PROMPTS for _ in range(4)]
-    out = {}
-    for name, sampling in (("greedy", SamplingParams(max_new_tokens=16, greedy=True)),
-                           ("sampled", SamplingParams(max_new_tokens=16, temperature=1.0))):
-        for seed in (1, 2, 3):
-            got = engine.generate(prompts, sampling, seed=seed)
-            out[f"{name}/{seed}"] = [{"tokens": c.tokens.tolist(),
-                                      "logprobs": c.logprobs.tolist()} for c in got]
-    with open(path, "w") as f:
-        json.dump(out, f)
 
 
 def main() -> None:
@@ -86,14 +60,7 @@ def main() -> None:
     parser.add_argument("--samples")
     args = parser.parse_args()
     engine = build(args.family, args.layers)
-    prompts = [p for p in PROMPTS for _ in range(4)]
-    sampling = SamplingParams(max_new_tokens=16, temperature=1.0)
-    times, cpu = [], []
-    for seed in (1, 2):
-        start, start_cpu = time.perf_counter(), time.process_time()
-        engine.generate(prompts, sampling, seed=seed)
-        times.append(time.perf_counter() - start)
-        cpu.append(time.process_time() - start_cpu)
+    times, cpu = first_generates(engine)
     (program,) = engine._programs.values()
     memory = program.memory_analysis()
     result = {"family": args.family, "layers": args.layers,
