@@ -121,16 +121,21 @@ TINY_MAXTEXT = ["override_model_config=true", "base_emb_dim=256", "base_num_quer
 @needs_libtpu
 @pytest.mark.skipif(importlib.util.find_spec("maxtext") is None, reason="needs maxtext")
 @pytest.mark.slow  # a MaxText script's engine through Mosaic; the tiny model's stays in the default
-def test_maxtext_scripts_engine_compiles_for_tpu7x(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_maxtext_scripts_engine_compiles_for_tpu7x(tmp_path, tp):
     """`python -m tunix_mcjax.aot run_qwen3_30b_rl ...`: the script's keys, shrunk; the maxtext
-    engine's loop on CombinedPages (JAX's Pallas kernel, through Mosaic) for a TPU7x host."""
-    out = run(["-m", "tunix_mcjax.aot", "run_qwen3_30b_rl", *TINY_MAXTEXT, "--topology",
-               "tpu7x:2x2x1", "--programs", "engine", "--json", str(tmp_path / "aot.json")])
+    engine's loop on CombinedPages (JAX's Pallas kernel, through Mosaic) for a TPU7x host, on
+    one device a replica and on two (the kernel inside a shard_map over the kv heads)."""
+    keys = [k for k in TINY_MAXTEXT if not k.startswith("rollout_")]
+    out = run(["-m", "tunix_mcjax.aot", "run_qwen3_30b_rl", *keys,
+               f"rollout_data_parallelism={8 // tp}", f"rollout_tensor_parallelism={tp}",
+               "--topology", "tpu7x:2x2x1", "--programs", "engine", "--json",
+               str(tmp_path / "aot.json")])
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     result = json.loads((tmp_path / "aot.json").read_text())
     assert (result["script"], result["model"]) == ("run_qwen3_30b_rl", "qwen3-30b-a3b-base")
     facts = result["engine"]
-    assert facts["page_layouts"] == ["CombinedPages"] and facts["tensor_parallelism"] == 1
+    assert facts["page_layouts"] == ["CombinedPages"] and facts["tensor_parallelism"] == tp
     assert facts["max_new"] == 1024 - 256 and facts["layers"] == 2
     [row] = result["compiled"]
     assert row["compiled"] and row["fits"] and row["aliased"] > 0, row

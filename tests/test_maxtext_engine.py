@@ -339,7 +339,7 @@ class XlaCombinedPages(pa.CombinedPages):
 def engine_with_layouts(world, monkeypatch, layouts=None):
     """The world's engine on CPU with the TPU layout (`XlaCombinedPages`), as `layout_for`
     gives it on a TPU; `layouts`: {slot: layout} instead."""
-    monkeypatch.setattr(maxtext_engine, "layout_for", lambda *_: XlaCombinedPages())
+    monkeypatch.setattr(maxtext_engine, "layout_for", lambda *_, **__: XlaCombinedPages())
     monkeypatch.setattr(maxtext_engine, "MaxTextPagedModel",
                         functools.partial(maxtext_model.MaxTextPagedModel, layouts=layouts))
     engine = MaxTextEngine(world.config, jax.local_devices()[:1], pad_id=0, eos_ids=(),
@@ -537,3 +537,19 @@ def test_scan_layout_repeats_the_trees_block_and_leaves_the_rest_unrolled():
     shuffled = {0: (("decoder", "layers"), (1,)), 1: (("decoder", "layers"), (0,))}
     with pytest.raises(ValueError, match="is not position 0 of block 0"):
         scan_layout(shuffled, 2)
+
+
+def test_a_tensor_parallel_tpu_replica_runs_the_kernel_where_its_kv_heads_split():
+    """On a TPU replica of 2 devices the kernel runs on each device's kv heads: a slot of 4 kv
+    heads keeps CombinedPages over the replica's "tensor" axis, one of 3 is attended by XLA."""
+    from jax.sharding import Mesh
+
+    from tunix_mcjax.engine.paged_attention import CombinedPages
+
+    mesh = Mesh(np.array(jax.devices()[:2]), (maxtext_model.TENSOR_AXIS,))
+    kernel = CombinedPages(mesh, maxtext_model.TENSOR_AXIS)
+    layers = [maxtext_model._LayerAttention(slot, True, None, None, kv_heads, 128, False)
+              for slot, kv_heads in ((0, 4), (1, 3))]
+    layouts = maxtext_model.slot_layouts(kernel, layers)
+    assert layouts[0] is kernel
+    assert type(layouts[1]) is maxtext_model.CombinedXlaPages

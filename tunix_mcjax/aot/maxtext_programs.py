@@ -28,7 +28,12 @@ from tunix_mcjax.aot.target import Target
 from tunix_mcjax.config import Config
 from tunix_mcjax.engine import pages
 from tunix_mcjax.engine.decode_loop import build_program
-from tunix_mcjax.engine.maxtext_model import MaxTextPagedModel, decode_config, local_mesh
+from tunix_mcjax.engine.maxtext_model import (
+    TENSOR_AXIS,
+    MaxTextPagedModel,
+    decode_config,
+    local_mesh,
+)
 from tunix_mcjax.engine.maxtext_scan import layer_major_shape, scan_layout, stacked_count
 from tunix_mcjax.engine.maxtext_tpu import tpu_config
 from tunix_mcjax.engine.maxtext_tree import param_specs, scan_plan
@@ -92,7 +97,7 @@ def engine_loop(config: Any, cfg: Config, target: Target) -> tuple[Program, dict
     engine_cfg = engine_config(config, cfg)
     mesh = local_mesh(engine_cfg, np.array(target.devices[:tp]))
     params, weight_bytes = engine_params(engine_cfg, mesh)
-    model = MaxTextPagedModel(engine_cfg, mesh, CombinedPages())
+    model = MaxTextPagedModel(engine_cfg, mesh, CombinedPages(mesh, TENSOR_AXIS))
     # One replica's loop for a full share at the caps, its pool as the engine sizes it; the
     # maxtext engine decodes every slot (no packed decode rows).
     one_page = model.page_bytes(cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE, tp)

@@ -19,7 +19,12 @@ import numpy as np
 from jax.sharding import Mesh
 
 from tunix_mcjax.engine.jax_engine import JaxEngine, _LeafSpec
-from tunix_mcjax.engine.maxtext_model import MaxTextPagedModel, decode_config, local_mesh
+from tunix_mcjax.engine.maxtext_model import (
+    TENSOR_AXIS,
+    MaxTextPagedModel,
+    decode_config,
+    local_mesh,
+)
 from tunix_mcjax.engine.maxtext_scan import (
     layer_major,
     layer_major_shape,
@@ -184,7 +189,9 @@ class MaxTextEngine(JaxEngine):
     def _decode_model(self, mesh: Mesh) -> MaxTextPagedModel:
         key = id(mesh)
         if key not in self._models:
-            layout = layout_for(mesh.devices.flat[0].platform, mesh.devices.size)
+            layout = layout_for(mesh.devices.flat[0].platform, mesh.devices.size, mesh=mesh,
+                                kv_heads=self.model_config.num_kv_heads,
+                                heads_axis=TENSOR_AXIS)
             self._models[key] = MaxTextPagedModel(self._model_config(), mesh, layout,
                                                   expert_minor_keys=self._minor_keys,
                                                   record_routing=self.record_routing)

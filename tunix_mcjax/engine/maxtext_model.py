@@ -218,8 +218,12 @@ def slot_layouts(layout: Any, layers: list[_LayerAttention]) -> dict[int, Any]:
     kernel, which has no attention sinks and compiles for KERNEL_HEAD_DIM heads only) for a
     slot that a layer with sinks reads (gpt-oss's) or whose heads are of another width
     (Gemma4's 256 and 512): that slot's pages are `CombinedXlaPages`, the kernel's pages
-    attended by XLA."""
-    unfit = {a.slot for a in layers if a.sinks or a.head_dim != KERNEL_HEAD_DIM}
+    attended by XLA; on a tensor-parallel replica, also a slot whose kv heads do not divide
+    by its devices (the kernel runs on each device's whole kv heads)."""
+    tp = layout.mesh.shape[layout.heads_axis] if isinstance(layout, CombinedPages) and \
+        layout.mesh is not None else 1
+    unfit = {a.slot for a in layers
+             if a.sinks or a.head_dim != KERNEL_HEAD_DIM or a.kv_heads % tp}
     return {a.slot: CombinedXlaPages() if isinstance(layout, CombinedPages) and a.slot in unfit
             else layout for a in layers if a.writes}
 

@@ -492,16 +492,16 @@ KERNEL_HEAD_DIM = 128
 
 
 def layout_for(platform: str, devices: int = 1, head_dim: int = KERNEL_HEAD_DIM, *,
-               mesh: Mesh | None = None, kv_heads: int | None = None
+               mesh: Mesh | None = None, kv_heads: int | None = None, heads_axis: str = "tp"
                ) -> SplitPages | CombinedPages:
     """The page layout of a replica mesh of `devices` devices on `platform`, for heads
     `head_dim` wide. On TPU the Pallas `ragged_paged_attention` for KERNEL_HEAD_DIM heads: on
-    one device, or on each device's heads of a replica `mesh` (its "tp" axis) whose devices
-    divide the `kv_heads`. On GPU the Pallas decode kernel on a one-device replica (XLA does not
-    partition a Pallas call over a mesh). XLA's attention otherwise."""
+    one device, or on each device's heads of a replica `mesh` (split over `heads_axis`) whose
+    devices divide the `kv_heads`. On GPU the Pallas decode kernel on a one-device replica (XLA
+    does not partition a Pallas call over a mesh). XLA's attention otherwise."""
     if platform == "tpu" and head_dim == KERNEL_HEAD_DIM:
         if devices == 1:
             return CombinedPages()
         if mesh is not None and kv_heads is not None and kv_heads % devices == 0:
-            return CombinedPages(mesh)
+            return CombinedPages(mesh, heads_axis)
     return GpuPages() if platform == "gpu" and devices == 1 else SplitPages()
