@@ -25,6 +25,7 @@ from tunix_mcjax.rewards import group_advantages
 from tunix_mcjax.runtime import recovery
 from tunix_mcjax.runtime.colocated import ColocatedRuntime
 from tunix_mcjax.runtime.phases import pack_local
+from tunix_mcjax.train import layer_runs
 from tunix_mcjax.train.checkpoint import Checkpointer
 from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 
@@ -115,8 +116,8 @@ def runtime_run(base_cfg, topo, out: dict) -> None:
     out["opt_moment_keys_equal_adapters"] = sorted(flat(adam.mu)) == adapter_keys == \
         sorted(flat(adam.nu))
     out["opt_state_elements"] = sum(x.size for x in jax.tree.leaves(trainer.opt_state))
-    want = {"/".join(p): np.asarray(x) for p, x in flatten_tree(
-        jax.device_get(trainer.engine_params())).items()}
+    want = {"/".join(p): np.asarray(x) for p, x in flatten_tree(  # the engine reports Tunix's
+        layer_runs.unstack(jax.device_get(trainer.engine_params()))).items()}  # per-layer paths
     out["engine_equals_trainer"] = all(
         np.array_equal(np.asarray(leaf), want["/".join(path)])
         for r in range(engine.num_replicas)
