@@ -115,10 +115,12 @@ def test_grpo_main_runs_run_qwen3_on_mcjax_two_hosts(run):
         assert "rl_training_config.actor_optimizer_config.max_grad_norm" in facts["not_applied"]
         assert (cfg["lora_rank"], cfg["lora_alpha"]) == (64, 64.0)
     # checkpoint_root_directory, after the last step. LoRA on: the trained params are the
-    # adapters of all 7 projections (the recipe's module_path) of both layers, nothing else.
+    # adapters of all 7 projections (the recipe's module_path), nothing else, stacked over both
+    # layers as the trainer holds them (one run, `layers/from_0`: train/layer_runs).
     meta = json.loads((ckpt_dir / "2" / "default" / "_METADATA").read_text())
     params = [k for k in meta["tree_metadata"] if k.startswith("('params'")]
-    assert len(params) == 2 * 7 * 2 and all("_lora_a'" in k or "_lora_b'" in k for k in params)
+    assert len(params) == 7 * 2 and all("_lora_a'" in k or "_lora_b'" in k for k in params)
+    assert all("'from_0'" in k for k in params)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
 
 

@@ -13,6 +13,7 @@ from jax.experimental import multihost_utils
 
 from tests.workers.common import start
 from tunix_mcjax.runtime import colocated, phases
+from tunix_mcjax.train import layer_runs
 
 
 class ShortOnHost1:
@@ -41,7 +42,8 @@ def main() -> None:
     trainer_params = {
         "/".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path):
             np.asarray(multihost_utils.process_allgather(leaf, tiled=True))
-        for path, leaf in jax.tree_util.tree_flatten_with_path(rt.trainer.model_params())[0]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(
+            layer_runs.unstack(rt.trainer.engine_params()))[0]
     }
     engine = rt.engine.engine
     diffs = []
