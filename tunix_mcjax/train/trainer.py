@@ -133,8 +133,6 @@ def _stacked_model(config: Any, graphdef: nnx.GraphDef, *states: nnx.State) -> S
     return StackedQwen3(config, nnx.to_pure_dict(state))
 
 
-
-
 def _qwen3_hidden(model, tokens, positions, segment_ids, *, remat: bool = False):
     return packed_qwen3.hidden_states(model.config, _tree(model), tokens, positions, segment_ids,
                                       remat=remat)
