@@ -208,6 +208,18 @@ def test_maxtexts_jax_cache_dir_is_the_runs_at_its_default(monkeypatch):
     assert cfg.jax_cache_dir == "~/jax_cache"
 
 
+def test_reward_workers_keep_maxtexts_meaning(monkeypatch):
+    """MaxText's default (0: the batch scored after generation) is kept; set, the two keys
+    mean what they mean in Tunix, with threads for processes."""
+    monkeypatch.delenv("M_JAX_CACHE_DIR", raising=False)
+    _, default, _ = checked_config(maxtext_argv(), {}, 1)
+    assert (default.reward_num_workers, default.reward_worker_timeout_seconds) == (0, 180.0)
+    _, cfg, not_applied = checked_config(maxtext_argv(
+        "reward_num_workers=2", "reward_worker_timeout_seconds=30"), {}, 1)
+    assert not_applied == {}
+    assert (cfg.reward_num_workers, cfg.reward_worker_timeout_seconds) == (2, 30.0)
+
+
 def test_pathways_and_vllm_settings_are_reported_not_applied():
     _, _, not_applied = checked_config(maxtext_argv(
         "async_scheduling=false", "use_pathways=false", "trainer_devices_fraction=1.0"), {}, 1)

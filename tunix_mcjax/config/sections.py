@@ -58,6 +58,15 @@ class Data:
     reward_functions: tuple[str, ...] = key(
         (), "package.module:function names, called as fn(prompts=, completions=, **fields); "
         "empty: the task's default reward.")
+    reward_num_workers: int = key(
+        1, "Threads that score whole groups (MaxText's and Tunix's key): each group as soon as "
+        "it is sampled, while the rest decode (docs/performance.md); 0: every group after "
+        "generation, in the step's thread; -1: one per CPU.", check=at_least(-1),
+        runtime_only=True)
+    reward_worker_timeout_seconds: float = key(
+        180.0, "Budget of one group's reward functions on a worker (MaxText's and Tunix's key); "
+        "a group past it ends the step with an error naming the group.", check=positive(),
+        runtime_only=True)
     data_repeat_period: int = key(
         0, "N > 0: the batches of steps 0..N-1 repeat (the benchmark protocol); 0: no repeat.",
         check=non_negative())

@@ -114,6 +114,10 @@ HONOURED: dict[str, str] = {
     "penalty_incorrect_answer": "MaxText's reward functions",
     "math_verify_timeout": "MaxText's reward functions",
     "math_verify_num_procs": "MaxText's reward functions",
+    "reward_num_workers": "reward_num_workers (threads scoring whole groups; MaxText's 0: "
+                          "the batch after generation)",
+    "reward_worker_timeout_seconds": "reward_worker_timeout_seconds (one group's budget; "
+                                     "past it the step ends, naming the group)",
     # Run directory, checkpoints, logging.
     "run_name": "run_name",
     "base_output_directory": "base_output_directory (run dir: base_output_directory/run_name)",
@@ -220,7 +224,7 @@ NOT_APPLICABLE = frozenset({
     "use_standalone_converter", "use_weight_converter",
     "use_raiden_ffi", "rollout_backend", "weight_sync_debug", "log_weight_sync_time", "kv_tp_size",
     "moe_mlp_tp_size", "debug_converter", "gcs_debug_path",
-    "reward_num_workers", "reward_worker_timeout_seconds", "enable_tunix_perf_metrics",
+    "enable_tunix_perf_metrics",
     "rl.reshard_chunk_size",
 }) | {k for k, v in VLLM_KEYS.items() if v is None} | NOT_READ_BY_TRAIN_RL
 
@@ -575,6 +579,8 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str,
     if rl.use_agentic_rollout:
         values.update(agentic_values(rl, agentic or {}))
     values.update(corrections or {})
+    values["reward_num_workers"] = config.reward_num_workers
+    values["reward_worker_timeout_seconds"] = config.reward_worker_timeout_seconds
     values.update({target: changed[key] for key, target in VLLM_KEYS.items()
                    if target is not None and key in (changed or {})})
     values["rollout_engine"] = rollout_engine = rollout_engine or rollout_engine_for(config)

@@ -25,6 +25,7 @@ from tunix_mcjax.publish import Publisher
 from tunix_mcjax.runtime import exchange, stepmath
 from tunix_mcjax.runtime.engines import ENGINES, default_engine
 from tunix_mcjax.runtime.records import Admission, Rollout
+from tunix_mcjax.runtime.reward_pool import RewardPool
 from tunix_mcjax.tasks import RewardFn, Task
 from tunix_mcjax.tokenizer import unknown_characters
 from tunix_mcjax.train import packing
@@ -139,6 +140,11 @@ class Prompts:
 Scores = tuple[np.ndarray, np.ndarray, np.ndarray]  # (rewards, correct, group advantages)
 
 
+def join_scores(parts: Sequence[Scores]) -> Scores:
+    """The scores of consecutive groups, joined in order."""
+    return tuple(np.concatenate(column) for column in zip(*parts, strict=True))  # type: ignore[return-value]
+
+
 class RolloutPhases:
     """Phases 1-3 on one rollout host (`host` of `num_hosts`), on its own engine.
 
@@ -152,6 +158,7 @@ class RolloutPhases:
         self.cfg, self.prompts, self.engine = cfg, prompts, engine
         self.num_hosts, self.host = num_hosts, host
         self.sampling = sampling_params(cfg)
+        self.reward_pool = RewardPool(cfg.reward_num_workers, cfg.reward_worker_timeout_seconds)
 
     def admit(self, step: int, history: stepmath.LengthHistory,
               global_idx: np.ndarray | None = None) -> Admission:
@@ -187,11 +194,33 @@ class RolloutPhases:
     def score_texts(self, adm: Admission, texts: list[str], extra: dict[str, list] | None = None
                     ) -> Scores:
         """(rewards, correct, group advantages) of the admitted groups' completion `texts`, in
-        order; `extra`: more per-completion fields for the reward and accuracy functions."""
+        order; `extra`: more per-completion fields for the reward and accuracy functions. With
+        reward workers, each group is scored on its own (`reward_pool`)."""
+        if not self.reward_pool.workers or not len(adm.local_indices):
+            return self.score_groups(adm, range(len(adm.local_indices)), texts, extra or {})
+        g = self.cfg.num_generations
+        for i in range(len(adm.local_indices)):
+            group = slice(i * g, (i + 1) * g)
+            self.submit_group(adm, i, texts[group],
+                              {k: v[group] for k, v in (extra or {}).items()})
+        return join_scores(self.reward_pool.results())
+
+    def submit_group(self, adm: Admission, group: int, texts: list[str],
+                     extra: dict[str, list]) -> None:
+        """Group `group` of `adm` (its completion `texts` and `extra` fields) to the reward
+        pool, which scores it while the caller goes on."""
+        name = (f"step {adm.step}'s group {group} (prompt index "
+                f"{int(adm.local_indices[group])})")
+        self.reward_pool.submit(name, lambda: self.score_groups(adm, [group], texts, extra))
+
+    def score_groups(self, adm: Admission, groups: Sequence[int], texts: list[str],
+                     extra: dict[str, list]) -> Scores:
+        """(rewards, correct, group advantages) of `groups` of `adm`, whose completions are
+        `texts` in order."""
         g, task = self.cfg.num_generations, self.prompts.task
-        expanded = [int(i) for i in adm.local_indices for _ in range(g)]
+        expanded = [int(adm.local_indices[i]) for i in groups for _ in range(g)]
         prompts = [task.prompts[i] for i in expanded]
-        fields = {k: [v[i] for i in expanded] for k, v in task.fields.items()} | (extra or {})
+        fields = {k: [v[i] for i in expanded] for k, v in task.fields.items()} | extra
         reward = rewards.score(self.prompts.reward_fns, prompts, texts, fields, expanded)
         correct = np.asarray(task.accuracy_fn(prompts=prompts, completions=texts, **fields))
         return reward, correct, rewards.group_advantages(reward, g)
