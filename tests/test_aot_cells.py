@@ -17,17 +17,22 @@ RESULTS = sorted(p for p in (REPO / "bench_results" / "aot").glob("*.json")
                  if not p.name.startswith("maxtext-"))
 TOLERANCE = 0.15
 CHIPS_WITH_TRAIN_STEP = (8, 16, 32, 64)
-# The train phase is held by the planner's TPU activations (`activations.TPU_SAVED_PER_UNIT`),
-# not its CPU fit, which was 12-85% above XLA at 8 chips.
+# The train phase is held by the planner's TPU count of the scanned step (`activations.py`:
+# its residual stacks and attention masks; `plan.py`: the flat collectives), not its CPU fit.
 CHECKED_PHASES = ("generate", "train")
+# Train rows are checked in today's files (`*-train.json`: the stacked, scanned step); the train
+# rows of `<profile>-8chips.json` are the unrolled step over per-layer params of before, kept as
+# a record of it, which the planner no longer models.
+TODAYS_TRAIN_STEP = "-train"
 
 
-# The scanned train step over stacked params (`*-train.json`) where the planner is more than 15%
-# under XLA: its count was fitted to the unrolled step, and what XLA holds beyond it there is
-# not itemised yet (docs/tpu.md). Strict: a refit that brings a row in makes its test pass and
-# this list must shrink.
-PLANNER_UNDER_SCANNED_STEP = {"gsm8k-16chips-train:train step", "gsm8k-32chips-train:train step",
-                              *(f"swe-{n}chips-train:train step" for n in (8, 16, 32, 64))}
+# Where XLA's layout of the flat collectives' [devices, ...] buffers is padded to 128 lanes,
+# which the planner does not count (docs/tpu.md): gsm8k at 32 devices (its leaves sharded along
+# their last dimension as [32, ..., dim / 32] pieces, 4.5 GiB for 1.1 GiB of params) and at 64
+# (the gradients' sum laid out [64, shard] with 64 in the lanes, 4.47 GiB for 2.22). gsm8k's
+# short rows make those collectives its step's peak; numina's and swe's peak in the backward.
+# Strict: a count of the padding that brings a row in makes its test pass and this must shrink.
+PLANNER_UNDER_LANE_PADDING = {"gsm8k-16chips-train:train step", "gsm8k-32chips-train:train step"}
 
 
 def cells() -> list:
@@ -37,9 +42,11 @@ def cells() -> list:
         for row in result["compiled"]:
             if not row.get("phase_peak") or row["phase"] not in CHECKED_PHASES:
                 continue
+            if row["phase"] == "train" and not path.stem.endswith(TODAYS_TRAIN_STEP):
+                continue
             name = f"{path.stem}:{row['name']}"
-            marks = [pytest.mark.xfail(strict=True, reason="planner under the scanned step")] \
-                if name in PLANNER_UNDER_SCANNED_STEP else []
+            marks = [pytest.mark.xfail(strict=True, reason="lane padding not counted")] \
+                if name in PLANNER_UNDER_LANE_PADDING else []
             out.append(pytest.param(name, result, row, id=name, marks=marks))
     return out
 
