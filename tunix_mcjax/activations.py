@@ -30,6 +30,8 @@ class ModelShape:
     sharded_param_count: int  # per device, FSDP over all devices (dims that divide)
     largest_leaf: int
     largest_layer_leaf: int = 0  # one decoder layer's largest
+    # (elements, last dimension) of each leaf FSDP shards along its last dimension
+    last_dim_sharded: tuple[tuple[int, int], ...] = ()
 
     @property
     def largest_published_leaf(self) -> int:
@@ -49,6 +51,7 @@ def model_shape(mc, fsdp: int) -> ModelShape:
     specs = dict((tuple(p), v.get_value()) for p, v in
                  nnx.to_flat_state(nnx.get_partition_spec(state)))
     total = sharded = layer0 = largest = largest_layer = 0
+    last_dim_sharded = []
     for path, leaf in leaves:
         n = math.prod(leaf.shape)
         total += n
@@ -56,12 +59,14 @@ def model_shape(mc, fsdp: int) -> ModelShape:
         layer0 += n if path[:2] == ("layers", 0) else 0
         largest_layer = max(largest_layer, n if path[:2] == ("layers", 0) else 0)
         spec = tuple(specs[path]) + (None,) * len(leaf.shape)
+        if len(leaf.shape) > 1 and "fsdp" in _axes(spec[len(leaf.shape) - 1]):
+            last_dim_sharded.append((n, leaf.shape[-1]))
         sharded += math.prod(-(-d // fsdp) if "fsdp" in _axes(a) else d
                              for d, a in zip(leaf.shape, spec[:len(leaf.shape)], strict=True))
     return ModelShape(mc.num_layers, mc.embed_dim, mc.num_heads * mc.head_dim,
                       mc.num_kv_heads * mc.head_dim, mc.num_kv_heads, mc.head_dim, mc.num_heads,
                       mc.hidden_dim, mc.vocab_size, total, layer0, sharded, largest,
-                      largest_layer)
+                      largest_layer, tuple(last_dim_sharded))
 
 
 def _axes(axis) -> tuple:

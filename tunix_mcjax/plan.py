@@ -308,19 +308,34 @@ def params_cast_bytes(cfg: Config, cluster: Cluster, m: ModelShape, layout: Trai
 # zero-filled buffer, this device's shard written into it, and their sum). Live together after
 # the last micro-batch's backward, beside the step's gathered params (its argument) and the new
 # ones (its output): XLA's TPU buffer assignment of gsm8k's step on 64 TPU7x chips
-# (bench_results/aot), where this is the step's peak (short rows: small activations). Left out:
-# the lanes XLA's layout leaves empty in some of these buffers, which depends on the layout it
-# picks for the slice (16 and 32 devices: the [devices, ..., dim / devices] pieces of leaves
-# sharded along their last dimension; 64: the gradients' sum; 128: none; docs/tpu.md).
+# (bench_results/aot/buffers), where this is the step's peak (short rows: small activations).
 FLAT_COLLECTIVE_COPIES = 4
+LANES = 128  # a TPU tile's minor dimension
 
 
 def flat_collective_bytes(cluster: Cluster, m: ModelShape, layout: TrainLayout, w: int) -> int:
-    """On TPU, the flat collectives' full-size buffers (`FLAT_COLLECTIVE_COPIES`); none on one
-    device, with params sharded through compute, or off TPU (the CPU fit holds its own)."""
+    """On TPU, the flat collectives' full-size buffers (`FLAT_COLLECTIVE_COPIES`) and the lanes
+    their layout leaves empty (`lane_padding`); none on one device, with params sharded through
+    compute, or off TPU (the CPU fit holds its own)."""
     if not (cluster.tpu and layout.gather_once and cluster.num_devices > 1):
         return 0
-    return FLAT_COLLECTIVE_COPIES * m.param_count * w
+    return (FLAT_COLLECTIVE_COPIES * m.param_count + sum(lane_padding(m, cluster.num_devices))) * w
+
+
+def padded_lanes(n: int, lanes: int) -> int:
+    """Elements of padding when `n` elements lie with `lanes` of them in a tile's minor dim."""
+    return n * (-(-lanes // LANES) * LANES - lanes) // lanes
+
+
+def lane_padding(m: ModelShape, devices: int) -> tuple[int, int]:
+    """Padding elements of the flat collectives' layout on TPU: (pieces, gradients' sum). A leaf
+    sharded along its last dimension moves as [devices, ..., last / devices] pieces; XLA puts
+    the wider of those two dims in the 128 lanes (the shard on a tie). Where that is the
+    devices, the gradients' [devices, shard] sum has them in the lanes too. As XLA laid them out
+    at 16, 32, 64 and 128 devices (bench_results/aot/buffers, `tests/test_aot_cells.py`)."""
+    pieces = sum(padded_lanes(n, max(last // devices, devices)) for n, last in m.last_dim_sharded)
+    lanes_hold_devices = any(devices > last // devices for _, last in m.last_dim_sharded)
+    return pieces, padded_lanes(m.param_count, devices) if lanes_hold_devices else 0
 
 
 def train_peak(items: dict[str, int]) -> int:
