@@ -14,7 +14,6 @@ from tunix_mcjax.bench.plan_tables import profile_config, v7x
 from tunix_mcjax.config import load_config
 from tunix_mcjax.engine.base import SamplingParams
 from tunix_mcjax.engine.jax_engine import JaxEngine
-from tunix_mcjax.train import layer_runs
 from tunix_mcjax.train.trainer import BATCH_KEYS, Trainer, qwen3_policy
 
 GIB = plan.GIB
@@ -352,38 +351,37 @@ def test_cli_reports_fit_and_refuses_bad_topology(capsys):
     assert "batch_size=2" in capsys.readouterr().err
 
 
-def test_tpu_activations_are_the_residuals_jax_saves_in_the_compute_dtype():
-    """The TPU model counts, per token and layer, what JAX saves for the trainer's Qwen3 layer
-    in the compute dtype, plus blockwise attention's fp32 max and denominator per head; the
-    fp32 RMSNorm chains (XLA's TPU fusions recompute them) and the weights are left out."""
+def test_tpu_activations_are_what_the_scanned_step_keeps():
+    """The TPU model counts, per token and layer, the residual stacks the trainer's scanned
+    forward keeps for its backward ([layers, rows, T, width] in the compute dtype), and per row
+    the attention's masks that JAX computes outside the layers' scan for every key block (bool
+    and fp32 [blocks, rows, kv heads, group, T, block]), from the step's own jaxpr."""
     from jax._src.ad_checkpoint import saved_residuals
 
-    from tunix_mcjax.train.qwen3_layer import decoder_layer
-    from tunix_mcjax.train.segment_attention import KEY_BLOCK, segment_attention
+    from tunix_mcjax.train import packed_qwen3
+    from tunix_mcjax.train.segment_attention import KEY_BLOCK
 
-    cfg = load_config(RECIPE)
-    mc = plan.model_config_for(cfg)
-    t, m = 2 * KEY_BLOCK, plan.model_shape(mc, fsdp=1)
+    mc = plan.model_config_for(load_config(RECIPE, ["dtype=bfloat16"]))
+    t, m = 3 * KEY_BLOCK, plan.model_shape(mc, fsdp=1)
     _, params = qwen3_policy(nnx.eval_shape(lambda: models.create_model(mc, 0)))
-    layer = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
-                         nnx.to_pure_dict(layer_runs.unstack(params))["layers"][0])
+    params = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                          nnx.to_pure_dict(params))
     ints = jax.ShapeDtypeStruct((1, t), np.int32)
 
-    def loss(lp, x, positions, segments):
-        def attend(q, k, v):
-            return segment_attention(q, k, v, segments), None
-        return decoder_layer(mc, lp, x, positions, attend)[0].astype(np.float32).sum()
+    def loss(p, tokens, positions, segments):
+        return packed_qwen3.hidden_states(mc, p, tokens, positions, segments).astype(
+            np.float32).sum()
 
-    saved = saved_residuals(loss, layer, jax.ShapeDtypeStruct((1, t, m.embed), mc.dtype),
-                            ints, ints)
-    tokens = [a for a, why in saved if "argument" not in why and t in a.shape]
-    compute = sum(a.size // t for a in tokens if a.dtype == mc.dtype) * 2
-    heads = (1, m.kv_heads, m.query_heads // m.kv_heads, t)  # the attention's max, denominator
-    stats = sum(a.size // t for a in tokens if a.shape == heads) * 4
-    assert stats == 2 * 4 * m.query_heads
-    assert activations.tpu_saved_per_layer(m, 2, t) == compute + stats
-    assert plan.activation_bytes_per_token(m, 2, t, remat=False, tpu=True) \
-        == m.layers * (compute + stats)
+    stacks = [a for a, why in saved_residuals(loss, params, ints, ints, ints)
+              if "argument" not in why and a.shape[:3] == (m.layers, 1, t)]
+    assert {a.dtype for a in stacks} == {np.dtype(mc.dtype)}
+    assert sum(a.size * 2 for a in stacks) == t * m.layers * activations.tpu_saved_per_layer(
+        m, 2, t) == t * plan.activation_bytes_per_token(m, 2, t, remat=False, tpu=True)
+    masks = (3, 1, m.kv_heads, m.query_heads // m.kv_heads, t, KEY_BLOCK)
+    kept = [v.aval for e in jax.make_jaxpr(jax.grad(loss))(params, ints, ints, ints).eqns
+            for v in e.outvars if getattr(v.aval, "shape", None) == masks]
+    assert sorted(str(a.dtype) for a in kept) == ["bool", "float32"]
+    assert sum(a.size * a.dtype.itemsize for a in kept) == activations.attention_mask_bytes(m, t)
 
 
 def test_tpu_target_counts_the_weights_cast_and_is_refused_beside_cpu(capsys):

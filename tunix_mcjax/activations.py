@@ -1,7 +1,8 @@
 """What the planner's train phase depends on: the model's shapes (`ModelShape`, from an abstract
 Tunix Qwen3) and the bytes a token leaves saved for the backward, per backend: fitted to XLA's
-CPU buffer assignment (`SAVED_PER_UNIT`), counted from JAX's residuals on TPU
-(`TPU_SAVED_PER_UNIT`). `plan.py` adds them up."""
+CPU buffer assignment (`SAVED_PER_UNIT`), counted from the scanned step's residuals on TPU
+(`TPU_SAVED_PER_UNIT`, and the attention masks it keeps, `attention_mask_bytes`). `plan.py` adds
+them up."""
 
 from __future__ import annotations
 
@@ -29,6 +30,8 @@ class ModelShape:
     sharded_param_count: int  # per device, FSDP over all devices (dims that divide)
     largest_leaf: int
     largest_layer_leaf: int = 0  # one decoder layer's largest
+    # (elements, last dimension) of each leaf FSDP shards along its last dimension
+    last_dim_sharded: tuple[tuple[int, int], ...] = ()
 
     @property
     def largest_published_leaf(self) -> int:
@@ -48,6 +51,7 @@ def model_shape(mc, fsdp: int) -> ModelShape:
     specs = dict((tuple(p), v.get_value()) for p, v in
                  nnx.to_flat_state(nnx.get_partition_spec(state)))
     total = sharded = layer0 = largest = largest_layer = 0
+    last_dim_sharded = []
     for path, leaf in leaves:
         n = math.prod(leaf.shape)
         total += n
@@ -55,12 +59,14 @@ def model_shape(mc, fsdp: int) -> ModelShape:
         layer0 += n if path[:2] == ("layers", 0) else 0
         largest_layer = max(largest_layer, n if path[:2] == ("layers", 0) else 0)
         spec = tuple(specs[path]) + (None,) * len(leaf.shape)
+        if len(leaf.shape) > 1 and "fsdp" in _axes(spec[len(leaf.shape) - 1]):
+            last_dim_sharded.append((n, leaf.shape[-1]))
         sharded += math.prod(-(-d // fsdp) if "fsdp" in _axes(a) else d
                              for d, a in zip(leaf.shape, spec[:len(leaf.shape)], strict=True))
     return ModelShape(mc.num_layers, mc.embed_dim, mc.num_heads * mc.head_dim,
                       mc.num_kv_heads * mc.head_dim, mc.num_kv_heads, mc.head_dim, mc.num_heads,
                       mc.hidden_dim, mc.vocab_size, total, layer0, sharded, largest,
-                      largest_layer)
+                      largest_layer, tuple(last_dim_sharded))
 
 
 def _axes(axis) -> tuple:
@@ -79,28 +85,21 @@ SAVED_PER_UNIT = {"embed": (18.1, 1.0), "mlp": (0.7, 4.5), "q_width": (16.7, 2.7
 DENSE_HEADS_X_KEYS = (8.1, 0.9)
 BLOCKWISE_HEADS_X_KEYS = (2.0, 0.0)
 
-# On TPU, XLA's buffer assignment of the train step (compiled for TPU7x: the paper's gsm8k,
-# numina and swe cells, bench_results/aot) holds far less than the CPU fit: its per-token
-# growth (1.46-1.61 MB a token between the cells) is the residuals JAX saves for the backward in
-# the compute dtype (1.51 MB a token at Qwen3-0.6B), without the fp32 RMSNorm chains (upcast,
-# x / rms, x w: 62 KB a token and layer more) that the CPU backend stores and TPU's fusions
-# recompute. Per token and decoder layer, in units of the compute dtype's bytes, as JAX saves
-# them for Tunix's Qwen3 layer (`jax.ad_checkpoint.saved_residuals`, `tests/test_plan.py`):
-# both norms' outputs (2 x embed), q and the attention's output (2 x q_width), k and v (2 x
-# kv_width), gate, up, silu's three and their product (6 x mlp), and RoPE's sin and cos for q
-# and k (2 x head_dim, each half of it). With the weights' cast (`params_cast_bytes`) the
-# train phase is 13%, 5% and 6% below XLA's at 8 chips (`tests/test_aot_cells.py`); the rest,
-# larger at short rows, is not itemised. These are the residuals of the layer unscanned. The
-# trainer now scans its stacked layers and keeps less (`packed_qwen3.SAVED_WITHOUT_REMAT`: the
-# projections' outputs, 22.5 KB a token and layer at Qwen3-0.6B in bf16 against the 53.8 KB
-# counted here), while XLA's peak also holds the backward's recompute of one layer; the totals
-# stay within 15% of XLA's (bench_results/aot/*-train.json), so the count is kept as fitted.
-TPU_SAVED_PER_UNIT = {"embed": 2, "q_width": 2, "kv_width": 2, "mlp": 6, "head_dim": 2}
-# fp32 per query head: blockwise attention's running max and denominator (`_fwd`); the dense
-# formula (rows of one key block) keeps its probabilities instead, in fp32 and the compute dtype
-# (not compiled for TPU yet: the paper's rows are all longer).
-TPU_BLOCKWISE_STATS = 8
-TPU_DENSE_PROBS = 4
+# On TPU, the residuals the scanned step keeps for its backward (`packed_qwen3`: the layers'
+# stacks scanned, the body checkpointed with `SAVED_WITHOUT_REMAT`): one [layers, rows, T, width]
+# stack per saved value, in the compute dtype, per token and layer in units of its bytes: q
+# (q_width), k and v (2 x kv_width), gate and up (2 x mlp) and two of the embed width (the
+# layer's input among them), as `saved_residuals` lists them for the step (`tests/test_plan.py`).
+# Norms, RoPE, SiLU and the attention's softmax statistics are recomputed. XLA's TPU buffer
+# assignment holds exactly these stacks (the paper's swe cell on 8 TPU7x chips: 10.5 GiB).
+TPU_SAVED_PER_UNIT = {"embed": 2, "q_width": 1, "kv_width": 2, "mlp": 2}
+# The attention's key mask and masked fill (`segment_attention._scores`: bool and fp32, one
+# [rows, kv heads, group, T, key block] pair per key block) depend on the segment ids only, so
+# JAX's partial evaluation computes them outside the layers' scan for every key block at once
+# and keeps them through the step's forward and backward: T x keys x query heads x (1 + 4)
+# bytes a row, whatever the depth, quadratic in the row's length. On the paper's swe rows (16384
+# tokens) that is 20 GiB of XLA's 40.1 GiB peak; numina's (12288) 11.25 GiB.
+TPU_MASK_BYTES = 1 + 4
 
 
 def activation_bytes_per_token(m: ModelShape, compute_bytes: int, row_len: int,
@@ -130,9 +129,15 @@ def _cpu_saved_per_layer(m: ModelShape, compute_bytes: int, row_len: int) -> flo
 
 
 def tpu_saved_per_layer(m: ModelShape, compute_bytes: int, row_len: int) -> float:
-    widths = {"embed": m.embed, "q_width": m.q_width, "kv_width": m.kv_width, "mlp": m.mlp,
-              "head_dim": m.head_dim}
-    saved = sum(units * widths[dim] for dim, units in TPU_SAVED_PER_UNIT.items())
-    attention = m.query_heads * (TPU_BLOCKWISE_STATS if row_len > KEY_BLOCK
-                                 else row_len * (TPU_DENSE_PROBS + compute_bytes))
-    return saved * compute_bytes + attention
+    """Bytes a token leaves in the scanned step's residual stacks, per layer (`row_len` is
+    kept for the signature the CPU fit shares: the stacks do not depend on it)."""
+    del row_len
+    widths = {"embed": m.embed, "q_width": m.q_width, "kv_width": m.kv_width, "mlp": m.mlp}
+    return compute_bytes * sum(units * widths[dim] for dim, units in TPU_SAVED_PER_UNIT.items())
+
+
+def attention_mask_bytes(m: ModelShape, row_len: int) -> int:
+    """On TPU, one row's attention masks kept through the step (`TPU_MASK_BYTES`): every query
+    against every key position of its key blocks (the row itself when it fits in one block)."""
+    keys = row_len if row_len <= KEY_BLOCK else -(-row_len // KEY_BLOCK) * KEY_BLOCK
+    return TPU_MASK_BYTES * m.query_heads * row_len * keys

@@ -31,7 +31,12 @@ import os
 import sys
 
 from tunix_mcjax import memory
-from tunix_mcjax.activations import ModelShape, activation_bytes_per_token, model_shape
+from tunix_mcjax.activations import (
+    ModelShape,
+    activation_bytes_per_token,
+    attention_mask_bytes,
+    model_shape,
+)
 from tunix_mcjax.config import Config, ConfigError, load_config
 from tunix_mcjax.engine import pages
 from tunix_mcjax.engine.buckets import pow2_at_least, prompt_bucket
@@ -297,6 +302,52 @@ def params_cast_bytes(cfg: Config, cluster: Cluster, m: ModelShape, layout: Trai
         * DTYPE_BYTES[cfg.dtype]
 
 
+# On TPU the flat step's collectives (`train/fsdp_flat.py`: params gathered once, over more than
+# one device) run as all-reduces over [devices, shard] buffers, each a full copy of the params
+# in their dtype: the gradients' reduce-scatter (their sum) and the new params' all-gather (a
+# zero-filled buffer, this device's shard written into it, and their sum). Live together after
+# the last micro-batch's backward, beside the step's gathered params (its argument) and the new
+# ones (its output): XLA's TPU buffer assignment of gsm8k's step on 64 TPU7x chips
+# (bench_results/aot/buffers), where this is the step's peak (short rows: small activations).
+FLAT_COLLECTIVE_COPIES = 4
+LANES = 128  # a TPU tile's minor dimension
+
+
+def flat_collective_bytes(cluster: Cluster, m: ModelShape, layout: TrainLayout, w: int) -> int:
+    """On TPU, the flat collectives' full-size buffers (`FLAT_COLLECTIVE_COPIES`) and the lanes
+    their layout leaves empty (`lane_padding`); none on one device, with params sharded through
+    compute, or off TPU (the CPU fit holds its own)."""
+    if not (cluster.tpu and layout.gather_once and cluster.num_devices > 1):
+        return 0
+    return (FLAT_COLLECTIVE_COPIES * m.param_count + sum(lane_padding(m, cluster.num_devices))) * w
+
+
+def padded_lanes(n: int, lanes: int) -> int:
+    """Elements of padding when `n` elements lie with `lanes` of them in a tile's minor dim."""
+    return n * (-(-lanes // LANES) * LANES - lanes) // lanes
+
+
+def lane_padding(m: ModelShape, devices: int) -> tuple[int, int]:
+    """Padding elements of the flat collectives' layout on TPU: (pieces, gradients' sum). A leaf
+    sharded along its last dimension moves as [devices, ..., last / devices] pieces; XLA puts
+    the wider of those two dims in the 128 lanes (the shard on a tie). Where that is the
+    devices, the gradients' [devices, shard] sum has them in the lanes too. As XLA laid them out
+    at 16, 32, 64 and 128 devices (bench_results/aot/buffers, `tests/test_aot_cells.py`)."""
+    pieces = sum(padded_lanes(n, max(last // devices, devices)) for n, last in m.last_dim_sharded)
+    lanes_hold_devices = any(devices > last // devices for _, last in m.last_dim_sharded)
+    return pieces, padded_lanes(m.param_count, devices) if lanes_hold_devices else 0
+
+
+def train_peak(items: dict[str, int]) -> int:
+    """What the train step adds to the state at its peak: the larger of a micro-batch's backward
+    (gradients, gathered params, activations and masks, the weights' cast, logits) and the
+    update after the last one (the gathered params and their new copy, the flat collectives)."""
+    backward = ("gradients", "gathered params + grads", "reference params", "activations",
+                "attention masks", "params cast", "logits", "bf16 matmul fp32 copy")
+    update = ("gradients", "gathered params + grads", "reference params", "flat collectives")
+    return max(sum(items[k] for k in backward), sum(items[k] for k in update))
+
+
 # --- the plan -----------------------------------------------------------------------------
 
 
@@ -374,8 +425,10 @@ def plan(cfg: Config, cluster: Cluster, mc, routing: tuple[int, int] | None = No
         "reference params": sharded if cfg.grpo_beta else 0,
         "activations": tokens * activation_bytes_per_token(
             m, c, row_len, remat=cfg.remat_policy == "full", tpu=cluster.tpu),
+        "attention masks": layout.micro_rows * attention_mask_bytes(m, row_len) * cluster.tpu,
         "params cast": params_cast_bytes(cfg, cluster, m, layout),
         "logits": logits_bytes(m, tokens, cfg.train_logits_chunk_tokens),
+        "flat collectives": flat_collective_bytes(cluster, m, layout, w),
         **engine_bytes,
         **cpu_host_items(cfg, cluster, m),
         **routing_items(engine, layout.rows_per_device * row_len, routing),
@@ -386,15 +439,12 @@ def plan(cfg: Config, cluster: Cluster, mc, routing: tuple[int, int] | None = No
     kept = 0 if cfg.free_kv_cache_during_weight_sync else pool
     state = items["params"] + items["optimizer state"] + items["engine weights"] + kept \
         + items["process baseline"]
-    train_keys = ("gradients", "gathered params + grads", "reference params", "activations",
-                  "params cast", "logits", "bf16 matmul fp32 copy")
     publish = m.param_count * w if cfg.rl_publish_weights_single_call \
         else m.largest_published_leaf * w
     phases = {
         "generate": state + pool - kept + generate_scratch(engine_bytes)
         + items["bf16 matmul fp32 copy"] + items.get("routing indices (engine)", 0),
-        "train": state + sum(items[k] for k in train_keys)
-        + items.get("routing indices (train)", 0),
+        "train": state + train_peak(items) + items.get("routing indices (train)", 0),
         "publish": state + publish,
     }
     whole = layout.rows_per_device * row_len
