@@ -13,12 +13,10 @@ single-controller structure, kept as a benchmark baseline).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -30,6 +28,7 @@ from tunix_mcjax.engine import layer_stack, pages
 from tunix_mcjax.engine.base import Completion, Engine, SamplingParams
 from tunix_mcjax.engine.buckets import pack_prompts, pow2_at_least, prompt_bucket
 from tunix_mcjax.engine.decode_loop import build_program
+from tunix_mcjax.engine.keys import generate_keys, request_keys
 from tunix_mcjax.engine.layer_stack import StackedParams
 from tunix_mcjax.engine.loop_state import DecodeModel, Inputs, Outputs, ProgramShape
 from tunix_mcjax.engine.options import EngineOptions, options_of
@@ -63,15 +62,6 @@ class _Pending:
 # Loop statistics an `Outputs` carries, per program: `JaxEngine.last_stats`.
 STAT_NAMES = ("iterations", "prefill_steps", "preemptions", "shared_pages", "peak_pages",
               "packed_steps")
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def replica_keys(seed: jax.Array, replicas: int) -> jax.Array:
-    """[replicas, 2]: `fold_in(PRNGKey(seed), r)` for each replica r, in one dispatch (op by op
-    it costs a millisecond); with JAX's default 32-bit types PRNGKey keeps a seed modulo 2**32,
-    as the caller passes it."""
-    key = jax.random.PRNGKey(seed)
-    return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(replicas, dtype=jnp.uint32))
 
 
 def _leaf_specs(cfg: qwen3.ModelConfig, tp: int) -> dict[LeafPath, _LeafSpec]:
@@ -297,10 +287,10 @@ class JaxEngine(Engine):
         spec = SamplerSpec.of(sampling, self.model_config.vocab_size)
         buckets = self._buckets(prompts, sampling)
         shares = np.array_split(np.arange(len(prompts)), self.num_replicas)
-        # Every replica's key on the host before any program is queued: a key made after
+        # Every request's key on the host before any program is queued: a key made after
         # replica 0's program would wait behind it on the default device, and the replicas
         # would run one after another instead of at once.
-        keys = np.asarray(replica_keys(np.uint32(seed % 2**32), self.num_replicas))
+        keys = generate_keys(seed, len(prompts), self.num_replicas)
         pending = []
         for replica, share in enumerate(shares):
             if len(share):
@@ -324,8 +314,9 @@ class JaxEngine(Engine):
         spec = SamplerSpec.of(sampling, self.model_config.vocab_size)
         buckets = self._buckets(prompts, sampling)
         request_ids = list(range(len(prompts)))
-        pending = self._dispatch(replica, request_ids, prompts, sampling, spec, np.asarray(key),
-                                 *buckets)
+        keys = request_keys(np.broadcast_to(np.asarray(key), (len(prompts), 2)),
+                            np.arange(len(prompts)))
+        pending = self._dispatch(replica, request_ids, prompts, sampling, spec, keys, *buckets)
         return self._finish(pending, len(prompts), sampling)
 
     def _finish(self, pending: list[_Pending], num_requests: int,
@@ -386,12 +377,13 @@ class JaxEngine(Engine):
         prompts: list[np.ndarray],
         sampling: SamplingParams,
         spec: SamplerSpec,
-        key: np.ndarray,
+        keys: np.ndarray,
         prompt_bucket: int,
         new_bucket: int,
     ) -> list[_Pending]:
         """Launch one replica's share without blocking: one program, or waves without CB.
-        In lockstep, `replica` 0 runs every replica's share in one program."""
+        In lockstep, `replica` 0 runs every replica's share in one program. `keys` [share, 2]
+        are the share's request keys, in `request_ids` order."""
         mesh_index = 0 if self.options.lockstep else replica
         mesh = self.meshes[mesh_index]
         if self.options.lockstep or self.options.continuous_batching:
@@ -401,12 +393,12 @@ class JaxEngine(Engine):
             batches = [request_ids[i : i + size] for i in range(0, len(request_ids), size)]
         pending, first = [], 0
         for batch in batches:
-            # In lockstep each device group takes a slice; request i keeps key index i.
+            # In lockstep each device group takes a slice; request i keeps its key.
             parts = mesh.shape["data"] if self.options.lockstep else 1
             shares = [[int(r) for r in part] for part in np.array_split(batch, parts)]
-            offsets = np.cumsum([0] + [len(share) for share in shares[:-1]])
-            host_inputs = [self._host_inputs([prompts[r] for r in share], sampling, key,
-                                             first + int(offset), prompt_bucket)
+            offsets = first + np.cumsum([0] + [len(share) for share in shares[:-1]])
+            host_inputs = [self._host_inputs([prompts[r] for r in share], sampling,
+                                             keys[offset:offset + len(share)], prompt_bucket)
                            for share, offset in zip(shares, offsets, strict=True)]
             shape = self._shape(host_inputs, prompt_bucket, new_bucket)
             host_inputs = [self._pad_inputs(h, shape) for h in host_inputs]
@@ -420,8 +412,8 @@ class JaxEngine(Engine):
             first += len(batch)
         return pending
 
-    def _host_inputs(self, prompts: list[np.ndarray], sampling: SamplingParams, key: np.ndarray,
-                     first: int, prompt_bucket: int) -> dict[str, Any]:
+    def _host_inputs(self, prompts: list[np.ndarray], sampling: SamplingParams,
+                     keys: np.ndarray, prompt_bucket: int) -> dict[str, Any]:
         tokens, lens, request_prompts = pack_prompts(prompts, self.options.pad_id, prompt_bucket, 1,
                                                      share=self.options.prefix_caching)
         stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
@@ -429,8 +421,7 @@ class JaxEngine(Engine):
         stop_ids[: len(stops)] = stops
         return dict(
             prompts=tokens, prompt_lens=lens, request_prompts=request_prompts,
-            key=key,
-            first_request_index=np.int32(first),
+            request_keys=np.asarray(keys, np.uint32),
             temperature=np.float32(1.0 if sampling.greedy else sampling.temperature),
             top_p=np.float32(sampling.top_p), stop_ids=stop_ids,
             max_new_tokens=np.int32(sampling.max_new_tokens))
@@ -459,6 +450,8 @@ class JaxEngine(Engine):
         pad_n = shape.num_requests - len(h["request_prompts"])
         pad_u = shape.num_prompts - len(h["prompt_lens"])
         h["request_prompts"] = np.pad(h["request_prompts"], (0, pad_n), constant_values=-1)
+        h["request_keys"] = np.pad(h["request_keys"], ((0, shape.num_requests
+                                                        - len(h["request_keys"])), (0, 0)))
         h["prompt_lens"] = np.pad(h["prompt_lens"], (0, pad_u))
         h["prompts"] = np.pad(h["prompts"], ((0, pad_u), (0, 0)))
         return h
