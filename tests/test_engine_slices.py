@@ -15,6 +15,7 @@ from tests.test_engine import PAD, VOCAB, params_of  # noqa: E402
 from tunix_mcjax import config, models  # noqa: E402
 from tunix_mcjax.engine.base import SamplingParams  # noqa: E402
 from tunix_mcjax.engine.jax_engine import JaxEngine  # noqa: E402
+from tunix_mcjax.engine.vllm_engine import VllmEngine  # noqa: E402
 
 EOS = 1
 MAX_NEW = 8
@@ -143,10 +144,11 @@ def test_bad_input_is_refused_with_the_key_to_change(engine):
     with engine.session(SAMPLE, max_requests=4, max_prompts=2, max_prompt_length=8) as session:
         with pytest.raises(ValueError, match="larger max_prompts"):
             session.join([[4], [5], [6]], seed=0)  # two prompt slots
-        session.join([[4], [5]], seed=0)
-        assert len(session.step(time_budget_s=60.0)) == 2  # the budget outlasts them
     with pytest.raises(RuntimeError, match="session is closed"):
         session.step()
+    with engine.session(SAMPLE, **CAPACITY) as session:  # compiled by the tests above
+        session.join(PROMPTS[:4], seed=0)
+        assert len(session.step(time_budget_s=60.0)) == 4  # the budget outlasts them
 
 
 def test_lockstep_and_waves_are_refused_by_name():
@@ -157,6 +159,37 @@ def test_lockstep_and_waves_are_refused_by_name():
                            max_prompt_length=8, max_new_tokens=MAX_NEW, **fields)
         with pytest.raises(NotImplementedError, match=f"JaxEngine with .*{reason}"):
             engine.session(SAMPLE, max_requests=4)
+
+
+def test_the_vllm_engine_refuses_by_name():
+    unbuilt = object.__new__(VllmEngine)  # the refusal needs no vLLM
+    with pytest.raises(NotImplementedError, match="VllmEngine does not decode in slices"):
+        unbuilt.session(SAMPLE, max_requests=4)
+
+
+@pytest.mark.slow
+def test_the_maxtext_engine_slices_to_generates_samples():
+    """MaxText's Qwen3 (tiny) in our loop: five requests through two rows on the smallest pool
+    the engine takes, slices of 3 against one generate."""
+    pytest.importorskip("maxtext")
+    from tests.test_maxtext_engine import MAX_NEW as MAXTEXT_NEW
+    from tests.test_maxtext_engine import World
+    from tunix_mcjax.engine import pages
+
+    world = World("qwen3", page_size=4, num_pages=pages.least_pool_pages(16, MAXTEXT_NEW, 4))
+    sampling = SamplingParams(max_new_tokens=MAXTEXT_NEW, temperature=1.0,
+                              stop_token_ids=tuple(range(1, 33)))
+    want = world.engine.generate(world.prompts, sampling, seed=2)
+    with world.engine.session(sampling, max_requests=len(world.prompts),
+                              max_prompt_length=16) as session:
+        session.join(world.prompts, seed=2)
+        got = {}
+        while session.unfinished:
+            got.update(session.step(3))
+        assert session.last_stats[0] == world.engine.last_stats[0]
+    for i, completion in enumerate(want):
+        assert got[i].tokens.tolist() == completion.tokens.tolist(), i
+        np.testing.assert_array_equal(got[i].logprobs, completion.logprobs)
 
 
 @pytest.mark.slow
