@@ -96,8 +96,10 @@ class DecodeSession:
                         np.ones((n,), bool))
 
     def _put(self, mesh_index: int, host: dict[str, np.ndarray]) -> Inputs:
+        """The inputs on the replica's devices, from a copy: a CPU device may alias a host
+        array, and the host's are written again at the next join."""
         sharding = NamedSharding(self.engine.meshes[mesh_index], P())
-        return jax.device_put(Inputs(**host), sharding)
+        return jax.device_put(Inputs(**{k: np.array(v) for k, v in host.items()}), sharding)
 
     # ----- joining -----
 
