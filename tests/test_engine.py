@@ -14,7 +14,8 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from tunix_mcjax import config, models  # noqa: E402
 from tunix_mcjax.engine.base import SamplingParams  # noqa: E402
-from tunix_mcjax.engine.jax_engine import JaxEngine, replica_keys  # noqa: E402
+from tunix_mcjax.engine.jax_engine import JaxEngine  # noqa: E402
+from tunix_mcjax.engine.keys import replica_keys  # noqa: E402
 from tunix_mcjax.engine.sampling import SamplerSpec, sample  # noqa: E402
 
 VOCAB = 99

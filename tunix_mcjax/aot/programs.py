@@ -170,7 +170,7 @@ def loop_inputs(shape: ProgramShape, sharding) -> Inputs:
         prompts=sds((shape.num_prompts, shape.prompt_len), i32, sharding),
         prompt_lens=sds((shape.num_prompts,), i32, sharding),
         request_prompts=sds((shape.num_requests,), i32, sharding),
-        key=sds((2,), jnp.uint32, sharding), first_request_index=sds((), i32, sharding),
+        request_keys=sds((shape.num_requests, 2), jnp.uint32, sharding),
         temperature=sds((), f32, sharding), top_p=sds((), f32, sharding),
         stop_ids=sds((MAX_STOP_IDS,), i32, sharding), max_new_tokens=sds((), i32, sharding))
 

@@ -25,9 +25,14 @@ or the slots.
 The loop stops when no request is left, or when nothing could move (`stalled`, which the engine
 turns into an error; pool sizes rule it out).
 
-Randomness is per request and token: token j of request i uses
-`fold_in(fold_in(key, first_request_index + i), j)`, so a request's sample does not depend on
-its batch, its row, when it was admitted, or whether it was preempted.
+Randomness is per request and token: token j of a request uses `fold_in(request_key, j)`
+(`engine.keys`), so a request's sample does not depend on its batch, its row, when it was
+admitted, or whether it was preempted.
+
+`build_program` is `generate`'s program: start, the loop and the outputs in one call.
+`initial_state`, `build_advance` (a slice: at most N more iterations of the same `iteration`)
+and `join` are the pieces a session (`engine.session`) runs as separate programs, the state
+staying on the device between them.
 """
 
 from __future__ import annotations
@@ -140,6 +145,27 @@ def outputs_of(state: LoopState, inp: Inputs) -> Outputs:
         stalled=stats.stalled & ~jnp.all(requests.done))
 
 
+def run_loop(runner: ModelRunner, state: LoopState, max_iterations: jax.Array | None = None,
+             lockstep_axis: str | None = None) -> LoopState:
+    """Iterations until no request is left or nothing could move, at most `max_iterations` (a
+    traced int32, so one program serves every slice size; None: no bound). With
+    `lockstep_axis`, every shard along that mesh axis iterates until all are done."""
+
+    def keep_going(carry: tuple[LoopState, jax.Array]) -> jax.Array:
+        state, count = carry
+        going = unfinished(state)
+        if lockstep_axis is not None:
+            going = jax.lax.psum(going.astype(jnp.int32), lockstep_axis) > 0
+        return going if max_iterations is None else going & (count < max_iterations)
+
+    def body(carry: tuple[LoopState, jax.Array]) -> tuple[LoopState, jax.Array]:
+        state, count = carry
+        state = jax.lax.cond(unfinished(state), lambda s: iteration(runner, s), lambda s: s, state)
+        return state, count + 1
+
+    return jax.lax.while_loop(keep_going, body, (state, jnp.int32(0)))[0]
+
+
 def build_program(
     model: DecodeModel,
     shape: ProgramShape,
@@ -148,23 +174,40 @@ def build_program(
     vocab: int,
     lockstep_axis: str | None = None,
 ) -> Callable[[Any, Any, Inputs], tuple[Outputs, Any]]:
-    """The pure function `(params, pool, inputs) -> (outputs, pool)` for one shape; jit it over
-    the model's mesh, donating the pool. `masked_id` is never sampled (None: nothing masked).
-    With `lockstep_axis`, every shard along that mesh axis iterates until all are done (the
+    """The pure function `(params, pool, inputs) -> (outputs, pool)` for one shape: start,
+    every iteration and the outputs in one program (`generate`'s); jit it over the model's
+    mesh, donating the pool. `masked_id` is never sampled (None: nothing masked). With
+    `lockstep_axis`, every shard along that mesh axis iterates until all are done (the
     single-controller structure: run it under `shard_map`)."""
-
-    def keep_going(state: LoopState) -> jax.Array:
-        going = unfinished(state)
-        if lockstep_axis is None:
-            return going
-        return jax.lax.psum(going.astype(jnp.int32), lockstep_axis) > 0
 
     def program(params: Any, pool: Any, inp: Inputs) -> tuple[Outputs, Any]:
         runner = ModelRunner(model, shape, spec, masked_id, params, inp)
-        state = jax.lax.while_loop(
-            keep_going,
-            lambda s: jax.lax.cond(unfinished(s), lambda s: iteration(runner, s), lambda s: s, s),
-            initial_state(shape, inp, pool, vocab))
+        state = run_loop(runner, initial_state(shape, inp, pool, vocab),
+                         lockstep_axis=lockstep_axis)
         return outputs_of(state, inp), state.pool
 
     return program
+
+
+def build_advance(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
+                  masked_id: int | None) -> Callable[..., tuple[LoopState, Outputs]]:
+    """`(params, state, inputs, max_iterations) -> (state, outputs)`: a slice of the loop
+    (`engine.session`), at most `max_iterations` more iterations; donate the state."""
+
+    def advance(params: Any, state: LoopState, inp: Inputs,
+                max_iterations: jax.Array) -> tuple[LoopState, Outputs]:
+        runner = ModelRunner(model, shape, spec, masked_id, params, inp)
+        state = run_loop(runner, state, max_iterations)
+        return state, outputs_of(state, inp)
+
+    return advance
+
+
+def join(state: LoopState, inp: Inputs, joined: jax.Array) -> LoopState:
+    """`state` with the requests where `joined` [N] waiting afresh on their prompts (`inp`'s
+    `request_prompts`): a slot that held a finished request starts over."""
+    requests, prompt = state.requests, jnp.maximum(inp.request_prompts, 0)
+    return replace(state, requests=replace(
+        requests, done=requests.done & ~joined, running=requests.running & ~joined,
+        lengths=jnp.where(joined, 0, requests.lengths)), prompts=replace(
+        state.prompts, left=add_where(state.prompts.left, prompt, 1, joined)))

@@ -13,12 +13,10 @@ single-controller structure, kept as a benchmark baseline).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding
@@ -29,14 +27,16 @@ from tunix_mcjax import hostmem, memory
 from tunix_mcjax.engine import layer_stack, pages
 from tunix_mcjax.engine.base import Completion, Engine, SamplingParams
 from tunix_mcjax.engine.buckets import pack_prompts, pow2_at_least, prompt_bucket
+from tunix_mcjax.engine.completions import completion_of, stats_of
 from tunix_mcjax.engine.decode_loop import build_program
+from tunix_mcjax.engine.keys import generate_keys, request_keys
 from tunix_mcjax.engine.layer_stack import StackedParams
 from tunix_mcjax.engine.loop_state import DecodeModel, Inputs, Outputs, ProgramShape
 from tunix_mcjax.engine.options import EngineOptions, options_of
 from tunix_mcjax.engine.paged_attention import layout_for
 from tunix_mcjax.engine.qwen3_forward import Qwen3PagedModel
 from tunix_mcjax.engine.sampling import SamplerSpec
-from tunix_mcjax.engine.stops import stop_reason
+from tunix_mcjax.engine.session import DecodeSession
 from tunix_mcjax.engine.trees import LeafPath, flatten_tree, unflatten_tree
 from tunix_mcjax.train import lora
 
@@ -58,20 +58,6 @@ class _Pending:
     share_sizes: list[int]  # requests per replica of the program
     shape: ProgramShape
     outputs: Outputs
-
-
-# Loop statistics an `Outputs` carries, per program: `JaxEngine.last_stats`.
-STAT_NAMES = ("iterations", "prefill_steps", "preemptions", "shared_pages", "peak_pages",
-              "packed_steps")
-
-
-@functools.partial(jax.jit, static_argnums=1)
-def replica_keys(seed: jax.Array, replicas: int) -> jax.Array:
-    """[replicas, 2]: `fold_in(PRNGKey(seed), r)` for each replica r, in one dispatch (op by op
-    it costs a millisecond); with JAX's default 32-bit types PRNGKey keeps a seed modulo 2**32,
-    as the caller passes it."""
-    key = jax.random.PRNGKey(seed)
-    return jax.vmap(lambda r: jax.random.fold_in(key, r))(jnp.arange(replicas, dtype=jnp.uint32))
 
 
 def _leaf_specs(cfg: qwen3.ModelConfig, tp: int) -> dict[LeafPath, _LeafSpec]:
@@ -137,6 +123,7 @@ class JaxEngine(Engine):
         self.pool_bytes = self.num_pages * self._page_bytes(tp) * len(devices)  # all replicas
         self._params: list[Any] = [self._param_store() for _ in self.meshes]
         self._pools: list[Any] = [None for _ in self.meshes]
+        self._pool_holders: list[Any] = [None for _ in self.meshes]  # an open DecodeSession
         self._replica_models: dict[int, DecodeModel] = {}
         self._programs: dict[tuple[Any, ...], Any] = {}
         self.last_stats: list[dict[str, int]] = []  # per program of the last call
@@ -289,6 +276,26 @@ class JaxEngine(Engine):
 
     # ----- generation -----
 
+    def session(self, sampling: SamplingParams, max_requests: int, **capacity: Any
+                ) -> DecodeSession:
+        """A `DecodeSession`: this engine's loop in slices, requests joining as it runs
+        (`engine.session`); it holds the page pools until closed."""
+        return DecodeSession(self, sampling, max_requests, **capacity)
+
+    def _take_pool(self, mesh_index: int, session: DecodeSession) -> Any:
+        pool = self._pool(mesh_index)
+        self._pools[mesh_index], self._pool_holders[mesh_index] = None, session
+        return pool
+
+    def _return_pool(self, mesh_index: int, pool: Any, session: DecodeSession) -> None:
+        if self._pool_holders[mesh_index] is not session:
+            raise RuntimeError(f"replica {mesh_index}'s page pool is not this session's")
+        self._pool_holders[mesh_index] = None
+        if self.options.free_pool_after_generate:
+            hostmem.trim(self.meshes[mesh_index].devices.flat, self.pool_bytes)
+        else:
+            self._pools[mesh_index] = pool
+
     def generate(
         self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams, seed: int
     ) -> list[Completion]:
@@ -297,10 +304,10 @@ class JaxEngine(Engine):
         spec = SamplerSpec.of(sampling, self.model_config.vocab_size)
         buckets = self._buckets(prompts, sampling)
         shares = np.array_split(np.arange(len(prompts)), self.num_replicas)
-        # Every replica's key on the host before any program is queued: a key made after
+        # Every request's key on the host before any program is queued: a key made after
         # replica 0's program would wait behind it on the default device, and the replicas
         # would run one after another instead of at once.
-        keys = np.asarray(replica_keys(np.uint32(seed % 2**32), self.num_replicas))
+        keys = generate_keys(seed, len(prompts), self.num_replicas)
         pending = []
         for replica, share in enumerate(shares):
             if len(share):
@@ -324,8 +331,9 @@ class JaxEngine(Engine):
         spec = SamplerSpec.of(sampling, self.model_config.vocab_size)
         buckets = self._buckets(prompts, sampling)
         request_ids = list(range(len(prompts)))
-        pending = self._dispatch(replica, request_ids, prompts, sampling, spec, np.asarray(key),
-                                 *buckets)
+        keys = request_keys(np.broadcast_to(np.asarray(key), (len(prompts), 2)),
+                            np.arange(len(prompts)))
+        pending = self._dispatch(replica, request_ids, prompts, sampling, spec, keys, *buckets)
         return self._finish(pending, len(prompts), sampling)
 
     def _finish(self, pending: list[_Pending], num_requests: int,
@@ -386,12 +394,13 @@ class JaxEngine(Engine):
         prompts: list[np.ndarray],
         sampling: SamplingParams,
         spec: SamplerSpec,
-        key: np.ndarray,
+        keys: np.ndarray,
         prompt_bucket: int,
         new_bucket: int,
     ) -> list[_Pending]:
         """Launch one replica's share without blocking: one program, or waves without CB.
-        In lockstep, `replica` 0 runs every replica's share in one program."""
+        In lockstep, `replica` 0 runs every replica's share in one program. `keys` [share, 2]
+        are the share's request keys, in `request_ids` order."""
         mesh_index = 0 if self.options.lockstep else replica
         mesh = self.meshes[mesh_index]
         if self.options.lockstep or self.options.continuous_batching:
@@ -401,12 +410,12 @@ class JaxEngine(Engine):
             batches = [request_ids[i : i + size] for i in range(0, len(request_ids), size)]
         pending, first = [], 0
         for batch in batches:
-            # In lockstep each device group takes a slice; request i keeps key index i.
+            # In lockstep each device group takes a slice; request i keeps its key.
             parts = mesh.shape["data"] if self.options.lockstep else 1
             shares = [[int(r) for r in part] for part in np.array_split(batch, parts)]
-            offsets = np.cumsum([0] + [len(share) for share in shares[:-1]])
-            host_inputs = [self._host_inputs([prompts[r] for r in share], sampling, key,
-                                             first + int(offset), prompt_bucket)
+            offsets = first + np.cumsum([0] + [len(share) for share in shares[:-1]])
+            host_inputs = [self._host_inputs([prompts[r] for r in share], sampling,
+                                             keys[offset:offset + len(share)], prompt_bucket)
                            for share, offset in zip(shares, offsets, strict=True)]
             shape = self._shape(host_inputs, prompt_bucket, new_bucket)
             host_inputs = [self._pad_inputs(h, shape) for h in host_inputs]
@@ -420,20 +429,21 @@ class JaxEngine(Engine):
             first += len(batch)
         return pending
 
-    def _host_inputs(self, prompts: list[np.ndarray], sampling: SamplingParams, key: np.ndarray,
-                     first: int, prompt_bucket: int) -> dict[str, Any]:
+    def _host_inputs(self, prompts: list[np.ndarray], sampling: SamplingParams,
+                     keys: np.ndarray, prompt_bucket: int) -> dict[str, Any]:
         tokens, lens, request_prompts = pack_prompts(prompts, self.options.pad_id, prompt_bucket, 1,
                                                      share=self.options.prefix_caching)
+        return dict(prompts=tokens, prompt_lens=lens, request_prompts=request_prompts,
+                    request_keys=np.asarray(keys, np.uint32), **self._sampling_inputs(sampling))
+
+    def _sampling_inputs(self, sampling: SamplingParams) -> dict[str, np.ndarray]:
+        """The program inputs that say how to sample and when a sequence ends."""
         stop_ids = np.full((MAX_STOP_IDS,), -1, np.int32)
         stops = self._stop_ids(sampling)
         stop_ids[: len(stops)] = stops
-        return dict(
-            prompts=tokens, prompt_lens=lens, request_prompts=request_prompts,
-            key=key,
-            first_request_index=np.int32(first),
-            temperature=np.float32(1.0 if sampling.greedy else sampling.temperature),
-            top_p=np.float32(sampling.top_p), stop_ids=stop_ids,
-            max_new_tokens=np.int32(sampling.max_new_tokens))
+        return dict(temperature=np.float32(1.0 if sampling.greedy else sampling.temperature),
+                    top_p=np.float32(sampling.top_p), stop_ids=stop_ids,
+                    max_new_tokens=np.int32(sampling.max_new_tokens))
 
     def _shape(self, host_inputs: list[dict[str, Any]], prompt_bucket: int,
                new_bucket: int) -> ProgramShape:
@@ -459,6 +469,8 @@ class JaxEngine(Engine):
         pad_n = shape.num_requests - len(h["request_prompts"])
         pad_u = shape.num_prompts - len(h["prompt_lens"])
         h["request_prompts"] = np.pad(h["request_prompts"], (0, pad_n), constant_values=-1)
+        h["request_keys"] = np.pad(h["request_keys"], ((0, shape.num_requests
+                                                        - len(h["request_keys"])), (0, 0)))
         h["prompt_lens"] = np.pad(h["prompt_lens"], (0, pad_u))
         h["prompts"] = np.pad(h["prompts"], ((0, pad_u), (0, 0)))
         return h
@@ -480,6 +492,9 @@ class JaxEngine(Engine):
 
     def _pool(self, mesh_index: int) -> Any:
         """The replica's page pool, made on first use (again after `free_pool_after_generate`)."""
+        if self._pool_holders[mesh_index] is not None:
+            raise RuntimeError(f"replica {mesh_index}'s page pool is held by an open "
+                               "DecodeSession: close() it before generate() or another session")
         if self._pools[mesh_index] is None:
             replicas = self.meshes[mesh_index].shape["data"]  # > 1 in lockstep: a slice each
             model = self._replica_model(mesh_index)
@@ -532,19 +547,13 @@ class JaxEngine(Engine):
                 raise RuntimeError(
                     f"the decode loop stopped with requests left: the KV page pool "
                     f"({self.num_pages} pages) could not hold them; raise hbm_utilization_vllm")
-            for r in range(out.tokens.shape[0]):
-                self.last_stats.append({name: int(getattr(out, name)[r]) for name in STAT_NAMES})
-            rows = [(r, i) for r, count in enumerate(item.share_sizes) for i in range(count)]
-            for (replica, row), request in zip(rows, item.request_ids, strict=True):
-                n = int(out.lengths[replica, row])
-                seq = out.tokens[replica, row, :n].copy()
-                results[request] = Completion(
-                    tokens=seq,
-                    logprobs=out.logprobs[replica, row, :n].copy(),
-                    finish_reason=stop_reason(int(seq[-1]), self.options.eos_ids, sampling)
-                    or "length",
-                    routing=routing_of(out, replica, row, n),
-                )
+            requests = iter(item.request_ids)  # replica 0's share, then replica 1's
+            for replica, count in enumerate(item.share_sizes):
+                one = jax.tree.map(lambda x, r=replica: x[r], out)
+                self.last_stats.append(stats_of(one))
+                for row in range(count):
+                    results[next(requests)] = completion_of(one, row, sampling,
+                                                            self.options.eos_ids)
         return results  # type: ignore[return-value]
 
     @property
@@ -556,12 +565,3 @@ class JaxEngine(Engine):
         eos = [] if sampling.ignore_eos else list(self.options.eos_ids)
         return list(dict.fromkeys([*sampling.stop_token_ids, *eos]))
 
-
-def routing_of(out: Any, replica: int, row: int, n: int) -> np.ndarray | None:
-    """A request's recorded experts, its prompt tokens' then its `n` completion tokens'
-    (`Completion.routing`); None when the program recorded none."""
-    if out.routing is None:
-        return None
-    prompt_len = int(out.prompt_lens[replica, row])
-    return np.concatenate([out.prompt_routing[replica, row, :prompt_len],
-                           out.routing[replica, row, :n]])

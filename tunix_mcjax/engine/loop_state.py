@@ -73,8 +73,7 @@ class Inputs:
     prompts: jax.Array  # int32 [num_prompts, prompt_len], distinct prompts, right-padded
     prompt_lens: jax.Array  # int32 [num_prompts]; 0 for padding
     request_prompts: jax.Array  # int32 [N]: each request's prompt; -1 pads
-    key: jax.Array  # PRNGKey of the replica
-    first_request_index: jax.Array  # int32, index of request 0 in the replica's share
+    request_keys: jax.Array  # uint32 [N, 2]: each request's key (`engine.keys`)
     temperature: jax.Array  # float32
     top_p: jax.Array  # float32
     stop_ids: jax.Array  # int32 [K], -1 padded: tokens that end a sequence

@@ -159,14 +159,9 @@ class ModelRunner:
     def draw(self, logits: jax.Array, requests: jax.Array,
              token_index: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Token `token_index[b]` of request `requests[b]` from `logits[b]`, with its own key:
-        `fold_in(fold_in(key, first_request_index + request), token_index)`."""
+        `fold_in(request_keys[request], token_index)` (`engine.keys`)."""
         inp = self.inp
-
-        def key_for(request, index):
-            return jax.random.fold_in(
-                jax.random.fold_in(inp.key, inp.first_request_index + request), index)
-
-        keys = jax.vmap(key_for)(requests, token_index)
+        keys = jax.vmap(jax.random.fold_in)(inp.request_keys[requests], token_index)
         return sample(self.spec, logits, keys, inp.temperature, inp.top_p, self.masked_id)
 
 

@@ -247,6 +247,13 @@ class VllmEngine(Engine):
             completions += [self._completion(c, sampling) for c in samples]
         return completions
 
+    def session(self, sampling: SamplingParams, max_requests: int, **capacity: Any) -> Any:
+        """Refused: sliced decoding is the jax and maxtext engines' (`engine.session`)."""
+        raise NotImplementedError(
+            "VllmEngine does not decode in slices: vLLM's LLMEngine.add_request() and step() "
+            "could serve a session, but this engine's contract with vLLM is recorded for "
+            "LLM.generate() only (tests/fixtures/vllm_fake); use rollout_engine=jax or maxtext")
+
     def _completion(self, sample: Any, sampling: SamplingParams) -> Completion:
         tokens = np.asarray(sample.token_ids, np.int32)
         if sample.logprobs is None or len(sample.logprobs) != len(tokens):

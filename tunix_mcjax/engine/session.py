@@ -1,0 +1,336 @@
+"""A decode session: the engine's loop run in slices, its state kept on the device between them.
+
+`JaxEngine.session(sampling, max_requests=...)` opens one over the engine's replicas. Each
+replica holds one `LoopState` (its page pool, block tables, rows, request queue and
+completions so far) on its devices for the whole session; `step` runs at most N more loop
+iterations of every replica (one compiled program per shape, the bound a traced input) and
+returns the GRPO groups that became whole, each only once all its requests are done. `join`
+adds requests to the running loop, into request and prompt slots that are free (never used, or
+whose completions were returned); each joined request keeps the key `generate(prompts,
+sampling, seed)` would give it (`engine.keys`), so its sample is the one it would get alone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from tunix_mcjax.engine import pages
+from tunix_mcjax.engine.base import Completion, SamplingParams
+from tunix_mcjax.engine.buckets import pow2_at_least, prompt_bucket
+from tunix_mcjax.engine.completions import completion_of, stats_of
+from tunix_mcjax.engine.keys import generate_keys
+from tunix_mcjax.engine.loop_state import Inputs, LoopState, ProgramShape
+from tunix_mcjax.engine.sampling import SamplerSpec
+from tunix_mcjax.engine.session_programs import SessionPrograms
+
+WHOLE = np.iinfo(np.int32).max  # iterations of a slice with no bound
+
+
+@dataclasses.dataclass
+class _Replica:
+    """One replica's part of the session: its state and inputs on its devices, and which
+    session request sits in each request slot (-1: free) and how many undelivered requests
+    each prompt slot serves."""
+
+    mesh_index: int
+    state: LoopState
+    host: dict[str, np.ndarray]  # the inputs, as the host last wrote them
+    inputs: Inputs  # the same, on the replica's devices
+    slot_request: np.ndarray  # int64 [N]
+    prompt_users: np.ndarray  # int64 [U]
+    done: np.ndarray  # bool [N], as of the last slice
+    outputs: Any = None  # the last slice's outputs, on the device
+
+
+@dataclasses.dataclass(frozen=True)
+class _Group:
+    replica: int
+    slots: tuple[int, ...]
+    request_ids: tuple[int, ...]
+
+
+class DecodeSession:
+    """Sliced decoding over `engine`'s replicas with one `sampling`. Capacity, per session
+    (split evenly over the replicas, each rounded up to a power of two): `max_requests`
+    requests and `max_prompts` distinct prompts (default `max_requests`) at once, prompts of at
+    most `max_prompt_length` tokens (default the engine's), and `group_size` requests sharing a
+    prompt's pages at once. Close it (or use it as a context manager) to give the engine its
+    page pools back."""
+
+    def __init__(self, engine: Any, sampling: SamplingParams, max_requests: int,
+                 max_prompts: int | None = None, max_prompt_length: int | None = None,
+                 group_size: int = 1):
+        refuse_engine(engine)
+        if max_requests < 1 or (max_prompts or 1) < 1 or group_size < 1:
+            raise ValueError("max_requests, max_prompts and group_size must be >= 1")
+        self.engine, self.sampling = engine, sampling
+        self.shape = session_shape(engine, sampling, max_requests, max_prompts or max_requests,
+                                   max_prompt_length, group_size)
+        spec = SamplerSpec.of(sampling, engine.model_config.vocab_size)
+        self._programs = SessionPrograms(engine, self.shape, spec)
+        self._replicas = [self._open(i) for i in range(len(engine.meshes))]
+        self._groups: list[_Group] = []
+        self._next_id = 0
+        # Per replica, the loop's counters over the session so far (`JaxEngine.last_stats`).
+        self.last_stats: list[dict[str, int]] = [{} for _ in self._replicas]
+
+    def _open(self, mesh_index: int) -> _Replica:
+        n, u = self.shape.num_requests, self.shape.num_prompts
+        host = dict(prompts=np.full((u, self.shape.prompt_len), self.engine.options.pad_id,
+                                    np.int32),
+                    prompt_lens=np.zeros((u,), np.int32),
+                    request_prompts=np.full((n,), -1, np.int32),
+                    request_keys=np.zeros((n, 2), np.uint32),
+                    **self.engine._sampling_inputs(self.sampling))
+        inputs = self._put(mesh_index, host)
+        state = self._programs.start(mesh_index, self.engine._take_pool(mesh_index, self), inputs)
+        return _Replica(mesh_index, state, host, inputs, np.full((n,), -1), np.zeros((u,), int),
+                        np.ones((n,), bool))
+
+    def _put(self, mesh_index: int, host: dict[str, np.ndarray]) -> Inputs:
+        """The inputs on the replica's devices, from a copy: a CPU device may alias a host
+        array, and the host's are written again at the next join."""
+        sharding = NamedSharding(self.engine.meshes[mesh_index], P())
+        return jax.device_put(Inputs(**{k: np.array(v) for k, v in host.items()}), sharding)
+
+    # ----- joining -----
+
+    def join(self, prompt_token_ids: Sequence[Sequence[int]], seed: int,
+             group_size: int = 1) -> list[int]:
+        """Add requests, in groups of `group_size` consecutive ones (a GRPO group: returned
+        together), sampled as `generate(prompt_token_ids, sampling, seed)` samples them.
+        Returns their request ids (`step`'s keys). A join that does not fit changes nothing."""
+        self._check_open()
+        prompts = [np.asarray(p, dtype=np.int32).reshape(-1) for p in prompt_token_ids]
+        self.engine._validate(prompts, self.sampling)
+        self._check_join(prompts, group_size)
+        keys = np.concatenate(generate_keys(seed, len(prompts), self.engine.num_replicas))
+        groups = [range(i, i + group_size) for i in range(0, len(prompts), group_size)]
+        placed = self._place([[prompts[i] for i in g] for g in groups])
+        joined = {r: np.zeros((self.shape.num_requests,), bool) for r in set(placed[0])}
+        ids = []
+        for group, replica, (slots, prompt_slots) in zip(groups, *placed, strict=True):
+            rep, first = self._replicas[replica], self._next_id
+            for i, slot, prompt_slot in zip(group, slots, prompt_slots, strict=True):
+                self._seat(rep, slot, prompt_slot, prompts[i], keys[i], first + i - group[0])
+            joined[replica][slots] = True
+            self._groups.append(_Group(replica, tuple(slots), tuple(
+                range(first, first + len(group)))))
+            ids += range(first, first + len(group))
+            self._next_id += len(group)
+        for replica, mask in joined.items():
+            rep = self._replicas[replica]
+            rep.inputs = self._put(rep.mesh_index, rep.host)
+            rep.state = self._programs.join(rep.mesh_index, rep.state, rep.inputs, mask)
+            rep.done &= ~mask
+        return ids
+
+    def _check_join(self, prompts: list[np.ndarray], group_size: int) -> None:
+        if group_size < 1 or len(prompts) % group_size:
+            raise ValueError(f"{len(prompts)} prompts do not split into groups of "
+                             f"group_size={group_size}")
+        longest = max(len(p) for p in prompts)
+        if longest > self.shape.prompt_len:
+            raise ValueError(f"a prompt of {longest} tokens does not fit the session's "
+                             f"max_prompt_length={self.shape.prompt_len}: open the session "
+                             "with a larger max_prompt_length")
+
+    def _place(self, groups: list[list[np.ndarray]]) -> tuple[list[int], list[tuple]]:
+        """Each group's replica (the one with the most free request slots that holds it) and
+        its request and prompt slots, or an error naming the capacity key it overflows."""
+        free_requests = [list(np.flatnonzero(r.slot_request < 0)) for r in self._replicas]
+        free_prompts = [list(np.flatnonzero(r.prompt_users == 0)) for r in self._replicas]
+        replicas, slots = [], []
+        for group in groups:
+            prompt_of = self._prompt_slots(group)
+            fits = [r for r in range(len(self._replicas)) if len(free_requests[r]) >= len(group)
+                    and len(free_prompts[r]) > max(prompt_of)]
+            if not fits:
+                raise ValueError(self._overflow(len(group), max(prompt_of) + 1,
+                                                free_requests, free_prompts))
+            r = max(fits, key=lambda r: len(free_requests[r]))
+            taken = [free_prompts[r][k] for k in range(max(prompt_of) + 1)]
+            del free_prompts[r][:max(prompt_of) + 1]
+            replicas.append(r)
+            slots.append(([free_requests[r].pop(0) for _ in group],
+                          [taken[k] for k in prompt_of]))
+        return replicas, slots
+
+    def _prompt_slots(self, group: list[np.ndarray]) -> list[int]:
+        """Each request's prompt slot among the group's: equal prompts share one (with prefix
+        caching), at most the shape's `group_size` requests a slot."""
+        if not self.engine.options.prefix_caching:
+            return list(range(len(group)))
+        slot_of: dict[bytes, int] = {}
+        count: dict[int, int] = {}
+        out = []
+        for prompt in group:
+            slot = slot_of.get(prompt.tobytes())
+            if slot is None or count[slot] == self.shape.group_size:
+                slot = slot_of[prompt.tobytes()] = len(count)
+                count[slot] = 0
+            count[slot] += 1
+            out.append(slot)
+        return out
+
+    def _overflow(self, requests: int, prompts: int, free_requests: list, free_prompts: list
+                  ) -> str:
+        most_requests, most_prompts = max(map(len, free_requests)), max(map(len, free_prompts))
+        key, per_replica = (("max_requests", self.shape.num_requests) if most_requests < requests
+                            else ("max_prompts", self.shape.num_prompts))
+        return (f"the join does not fit the session: a group of {requests} requests on "
+                f"{prompts} distinct prompts, with at most {most_requests} request and "
+                f"{most_prompts} prompt slots free on a replica ({key} gives each of the "
+                f"{len(self._replicas)} replicas {per_replica}): step until groups come back, "
+                f"or open the session with a larger {key}")
+
+    def _seat(self, rep: _Replica, slot: int, prompt_slot: int, prompt: np.ndarray,
+              key: np.ndarray, request_id: int) -> None:
+        host = rep.host
+        if rep.prompt_users[prompt_slot] == 0:
+            host["prompts"][prompt_slot] = self.engine.options.pad_id
+            host["prompts"][prompt_slot, :len(prompt)] = prompt
+            host["prompt_lens"][prompt_slot] = len(prompt)
+        rep.prompt_users[prompt_slot] += 1
+        host["request_prompts"][slot] = prompt_slot
+        host["request_keys"][slot] = key
+        rep.slot_request[slot] = request_id
+
+    # ----- stepping -----
+
+    def step(self, max_iterations: int | None = None,
+             time_budget_s: float | None = None) -> dict[int, Completion]:
+        """Run the loop on, at most `max_iterations` iterations (None: until every request is
+        done) and, with `time_budget_s`, in slices until that time is spent (at least one
+        iteration). Returns the requests of the groups that became whole, by request id."""
+        self._check_open()
+        if max_iterations is not None and max_iterations < 1:
+            raise ValueError(f"max_iterations={max_iterations}: a slice runs at least one loop "
+                             "iteration (None: until every request is done)")
+        if time_budget_s is not None and not time_budget_s > 0:
+            raise ValueError(f"time_budget_s={time_budget_s} must be > 0 (None: no budget)")
+        if time_budget_s is None:
+            self._advance(WHOLE if max_iterations is None else max_iterations)
+            return self._whole_groups()
+        return self._timed(max_iterations, time.monotonic() + time_budget_s)
+
+    def _timed(self, max_iterations: int | None, deadline: float) -> dict[int, Completion]:
+        """Slices until `deadline`, each sized by the last one's time an iteration."""
+        finished: dict[int, Completion] = {}
+        left = WHOLE if max_iterations is None else max_iterations
+        size = 1
+        while True:
+            start = time.monotonic()
+            self._advance(size)
+            finished.update(self._whole_groups())
+            left -= size
+            now = time.monotonic()
+            if not self.unfinished or now >= deadline or left <= 0:
+                return finished
+            per_iteration = (now - start) / size
+            size = int(min(left, 2 * size, max(1, (deadline - now) / max(per_iteration, 1e-9))))
+
+    def _advance(self, max_iterations: int) -> None:
+        """A slice of every replica with requests left, all dispatched before any is read."""
+        busy = [r for r in self._replicas if not r.done.all()]
+        for rep in busy:
+            rep.state, rep.outputs, done = self._programs.advance(
+                rep.mesh_index, rep.state, rep.inputs, np.int32(max_iterations))
+            rep.done = done
+        for rep in busy:
+            rep.done = np.array(rep.done)  # writable: a join clears its requests
+            counters = jax.device_get(dataclasses.replace(
+                rep.outputs, tokens=None, logprobs=None, prompt_routing=None, routing=None))
+            if counters.stalled:
+                raise RuntimeError(
+                    f"the decode loop stopped with requests left: the KV page pool "
+                    f"({self.engine.num_pages} pages) could not hold them; raise "
+                    "hbm_utilization_vllm")
+            self.last_stats[rep.mesh_index] = stats_of(counters)
+
+    def _whole_groups(self) -> dict[int, Completion]:
+        """The undelivered groups whose requests are all done, their slots freed."""
+        whole = [g for g in self._groups if self._replicas[g.replica].done[list(g.slots)].all()]
+        fetched: dict[int, Any] = {}
+        finished = {}
+        for group in whole:
+            rep = self._replicas[group.replica]
+            if group.replica not in fetched:
+                fetched[group.replica] = jax.device_get(rep.outputs)
+            out = fetched[group.replica]
+            for slot, request_id in zip(group.slots, group.request_ids, strict=True):
+                finished[request_id] = completion_of(out, slot, self.sampling,
+                                                     self.engine.options.eos_ids)
+                rep.prompt_users[rep.host["request_prompts"][slot]] -= 1
+                rep.slot_request[slot] = -1
+        self._groups = [g for g in self._groups if g not in whole]
+        return finished
+
+    @property
+    def unfinished(self) -> int:
+        """Requests joined and not yet returned."""
+        return sum(len(g.slots) for g in self._groups)
+
+    # ----- closing -----
+
+    def _check_open(self) -> None:
+        if not self._replicas:
+            raise RuntimeError("the session is closed: open another with engine.session()")
+
+    def close(self) -> None:
+        """Give the engine its page pools back (or free them, as `generate` would)."""
+        for rep in self._replicas:
+            self.engine._return_pool(rep.mesh_index, rep.state.pool, self)
+        self._replicas = []
+
+    def __enter__(self) -> DecodeSession:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def refuse_engine(engine: Any) -> None:
+    """Engines whose loop a session cannot slice, refused by name with the reason."""
+    name = type(engine).__name__
+    if engine.options.lockstep:
+        raise NotImplementedError(
+            f"{name} with lockstep=True runs every replica in one program whose loop condition "
+            "is an all-reduce over the replicas (the single-controller baseline); a session "
+            "slices per-replica loops: open it on an engine with lockstep=False")
+    if not engine.options.continuous_batching:
+        raise NotImplementedError(
+            f"{name} with continuous_batching=False decodes a share in waves of separate "
+            "programs; a session is one running loop whose rows refill: turn "
+            "rollout_continuous_batching on")
+
+
+def session_shape(engine: Any, sampling: SamplingParams, max_requests: int, max_prompts: int,
+                  max_prompt_length: int | None, group_size: int) -> ProgramShape:
+    """The program shape of a session: `JaxEngine._shape`'s rules at the given capacity."""
+    opts = engine.options
+    replicas = len(engine.meshes)
+    n = pow2_at_least(-(-max_requests // replicas))
+    u = pow2_at_least(-(-max_prompts // replicas))
+    cap = opts.max_prompt_length
+    if max_prompt_length is not None and not 1 <= max_prompt_length <= cap:
+        raise ValueError(f"max_prompt_length={max_prompt_length} must be in 1..{cap} (the "
+                         "engine's max_prompt_length)")
+    prompt_len = prompt_bucket(max_prompt_length or cap, cap)
+    new = min(pow2_at_least(sampling.max_new_tokens), opts.max_new_tokens)
+    chunk, rows = pages.prefill_chunk(prompt_len, opts.max_num_batched_tokens)
+    return ProgramShape(
+        num_requests=n, num_slots=min(n, pow2_at_least(opts.max_batch_size)), num_prompts=u,
+        prompt_len=prompt_len, max_new=new, page_size=opts.page_size,
+        num_pages=engine.num_pages, chunk=chunk, prefill_rows=max(1, min(u, rows)),
+        group_size=pow2_at_least(group_size) if opts.prefix_caching else 1,
+        pack_decode_rows=engine.pack_decode_rows,
+        routing=getattr(engine._replica_model(0), "routing_shape", None))
