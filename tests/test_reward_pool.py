@@ -1,19 +1,25 @@
 """Whole groups scored on the reward pool: the same scores as scoring the batch at once, in
 order, while the caller goes on; a group past its budget, or a reward that raises on a worker,
-ends the step with an error that names it."""
+ends the step with an error that names it. Streamed (the engine decoding in slices), a group is
+scored while the rest decode, with `generate`'s samples and the batch's scores."""
 
 from __future__ import annotations
 
 import threading
 import time
 
+import jax
 import numpy as np
 import pytest
 
 from tests.mp import REPO
+from tests.test_engine import params_of
+from tunix_mcjax import models
 from tunix_mcjax.config import ConfigError, load_config
+from tunix_mcjax.engine.session import DecodeSession
 from tunix_mcjax.rewards import RewardError
 from tunix_mcjax.runtime import phases, stepmath
+from tunix_mcjax.runtime.engines import default_engine
 from tunix_mcjax.runtime.reward_pool import RewardPool, worker_count
 from tunix_mcjax.tasks import load_task
 from tunix_mcjax.tokenizer import char_tokenizer
@@ -21,12 +27,12 @@ from tunix_mcjax.tokenizer import char_tokenizer
 DEMO = REPO / "recipes/cpu/demo.yml"
 
 
-def _rollout_phases(workers: int) -> phases.RolloutPhases:
+def _rollout_phases(workers: int, engine=None, *overrides: str) -> phases.RolloutPhases:
     cfg = load_config(DEMO, ["batch_size=6", "num_generations=4",
-                             f"reward_num_workers={workers}"])
+                             f"reward_num_workers={workers}", *overrides])
     tokenizer = char_tokenizer()
     prompts = phases.Prompts.load(cfg, tokenizer, load_task(cfg), host=0)
-    return phases.RolloutPhases(cfg, prompts, engine=None, num_hosts=1, host=0)
+    return phases.RolloutPhases(cfg, prompts, engine=engine, num_hosts=1, host=0)
 
 
 def test_groups_scored_on_workers_equal_the_batch_scored_at_once():
@@ -93,3 +99,35 @@ def test_worker_counts_and_bad_values():
         load_config(DEMO, ["reward_num_workers=-2"])
     with pytest.raises(ConfigError, match="reward_worker_timeout_seconds"):
         load_config(DEMO, ["reward_worker_timeout_seconds=0"])
+
+
+def test_streamed_groups_are_scored_while_the_rest_decode(monkeypatch):
+    """8 slots for 24 requests: the groups finish in waves. With one-iteration slices, the
+    first group goes to the pool while others still decode; the samples are `generate`'s and
+    the scores the batch's."""
+    shape = ["max_target_length=12", "rollout_max_batch_size=8", "decode_sampling_temperature=1"]
+    serial = _rollout_phases(0, None, *shape)
+    cfg = serial.cfg
+    mc = models.model_config(cfg, len(serial.prompts.tokenizer), for_sampling=True)
+    engine = default_engine(cfg, mc, jax.devices()[:1], serial.prompts.pad_id,
+                            serial.prompts.eos_ids)
+    engine.load_weights(params_of(models.create_model(mc, 0)))
+    serial.engine = engine
+    streamed = _rollout_phases(1, engine, *shape)
+    adm = serial.admit(step=1, history=stepmath.LengthHistory(len(serial.prompts.tokens)))
+    want = serial.generate(adm)
+    want_scores = serial.score(adm, want)
+
+    steps, submitted_at = [0], []
+    step = DecodeSession.step
+    monkeypatch.setattr(DecodeSession, "step", lambda self, **kw: (
+        steps.__setitem__(0, steps[0] + 1), step(self, max_iterations=1))[1])
+    submit = phases.RolloutPhases.submit_group
+    monkeypatch.setattr(phases.RolloutPhases, "submit_group", lambda self, *a: (
+        submitted_at.append(steps[0]), submit(self, *a))[1])
+    got = streamed.generate(adm)
+    assert [c.tokens.tolist() for c in got] == [c.tokens.tolist() for c in want]
+    assert len(submitted_at) == len(adm.local_indices) == 6
+    assert submitted_at[0] < steps[0]  # a group was scored before the last slice decoded
+    for w, g in zip(want_scores, streamed.score(adm, got), strict=True):
+        np.testing.assert_array_equal(w, g)

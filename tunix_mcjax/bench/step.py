@@ -15,6 +15,9 @@ Arms (same model, tokenizer, reward, hyperparameters, batches and devices):
              (50%, 25%, 12.5%: arms mcjax_da-t50, -t25, -t12.5) that the host count and batch
              allow; compared with mcjax by the paper's rule (bench.da_compare, da_report.md)
 --ablation runs mcjax, mcjax+O1 .. mcjax+O4 and mcjax+opt, and reports each against mcjax.
+--streaming runs mcjax+serial-rewards (reward_num_workers=0: the batch scored after generation)
+and mcjax (each group scored as it finishes, while the rest decode) with a reward of 50 ms per
+completion (bench.slow_reward), reported like --ablation.
 --balance runs mcjax, mcjax+O3 and mcjax+O3x (O3 plus rl_balance_by_expected_output) with
 output lengths that vary by prompt, reported like --ablation plus each arm's rollout imbalance
 (slowest host's generate time / mean) and how well a prompt's first-pass output length predicts
@@ -63,6 +66,10 @@ ARMS = ("tunix", "tunix-cli", "single", "mcjax", "mcjax+opt", "mcjax_da")
 LAYOUT_ARMS = ("tunix", "tunix-cli")  # one process; each layout in --tunix-layouts is a run
 ABLATION = ("mcjax", *(f"mcjax+{o}" for o in OPTIMIZATIONS), "mcjax+opt")
 BALANCE = ("mcjax", "mcjax+O3", "mcjax+O3x")
+# Rewards scored after generation (reward_num_workers=0) against streamed (mcjax: each group as
+# it finishes, while the rest decode), with a reward of 50 ms per completion.
+STREAMING = ("mcjax+serial-rewards", "mcjax")
+STREAMING_SET = ("reward_functions=tunix_mcjax.bench.slow_reward:sleeping_reward",)
 # Output lengths that differ by prompt and repeat across epochs (EOS honoured, greedy decoding),
 # and 8 decode slots per engine, so that a host's rollout time follows its total tokens (the
 # saturated-engine regime of accelerator-scale runs, where requests outnumber decode slots).
@@ -95,6 +102,8 @@ class Run:
                     "rl_trainer_hosts_fraction": da_compare.split_fraction(self.arm)}
         if self.arm == "mcjax+opt":
             return ALL_OPT
+        if self.arm == "mcjax+serial-rewards":
+            return {"reward_num_workers": 0}
         if self.arm == "mcjax+O3x":
             return {OPTIMIZATIONS["O3"]: True, "rl_balance_by_expected_output": True}
         if self.arm.startswith("mcjax+"):
@@ -311,6 +320,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help=f"run {', '.join(ABLATION)} instead of --arms")
     p.add_argument("--balance", action="store_true",
                    help=f"run {', '.join(BALANCE)} on varying output lengths instead of --arms")
+    p.add_argument("--streaming", action="store_true",
+                   help=f"run {', '.join(STREAMING)} with a 50 ms/completion reward instead "
+                        "of --arms")
     p.add_argument("--tunix-layouts", default="fsdp,one-device",
                    help="layouts of the tunix and tunix-cli arms to try: fsdp, one-device")
     p.add_argument("--out", required=True, type=Path, help="output directory (relative path)")
@@ -327,13 +339,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="rebuild the report from the runs already in --out")
     args = p.parse_args(argv)
     args.hosts = [int(h) for h in args.hosts.split(",")]
-    if args.ablation and args.balance:
-        p.error("--ablation and --balance are separate benchmarks: pick one")
+    if args.ablation + args.balance + args.streaming > 1:
+        p.error("--ablation, --balance and --streaming are separate benchmarks: pick one")
     args.arms = list(ABLATION) if args.ablation else list(BALANCE) if args.balance \
-        else args.arms.split(",")
+        else list(STREAMING) if args.streaming else args.arms.split(",")
     if args.balance:
         args.set = [*BALANCE_SET, *args.set]
-    unknown = [a for a in args.arms if a not in ARMS + ABLATION + BALANCE]
+    if args.streaming:
+        args.set = [*STREAMING_SET, *args.set]
+    unknown = [a for a in args.arms if a not in ARMS + ABLATION + BALANCE + STREAMING]
     if unknown or "mcjax" not in args.arms:
         p.error(f"--arms must include mcjax (the reference) and only {', '.join(ARMS)}")
     args.tunix_layouts = args.tunix_layouts.split(",")
@@ -377,7 +391,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.balance:
         context.update(_balance_context(runs, out, first_scored, max(args.hosts)))
     rep = report.build_report(arm_runs, "mcjax", first_scored,
-                              ablation=args.ablation or args.balance, context=context,
+                              ablation=args.ablation or args.balance or args.streaming,
+                              context=context,
                               fixed_cost=fixed_cost)
     for path in report.write(rep, out):
         print(f"wrote {path}")

@@ -61,3 +61,9 @@ class Engine(abc.ABC):
     @abc.abstractmethod
     def compile_count(self) -> int:
         """How many programs the engine has compiled so far."""
+
+    @property
+    def decodes_in_slices(self) -> bool:
+        """Whether `session(sampling, max_requests, ...)` gives a sliced decode (a
+        `engine.session.DecodeSession`, the same samples as `generate`)."""
+        return False

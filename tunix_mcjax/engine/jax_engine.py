@@ -276,6 +276,10 @@ class JaxEngine(Engine):
 
     # ----- generation -----
 
+    @property
+    def decodes_in_slices(self) -> bool:
+        return not self.options.lockstep and self.options.continuous_batching
+
     def session(self, sampling: SamplingParams, max_requests: int, **capacity: Any
                 ) -> DecodeSession:
         """A `DecodeSession`: this engine's loop in slices, requests joining as it runs

@@ -139,6 +139,10 @@ class Prompts:
 
 Scores = tuple[np.ndarray, np.ndarray, np.ndarray]  # (rewards, correct, group advantages)
 
+# Wall time of one `stream` slice: a whole group waits at most about this long for its scoring
+# to start, and each slice costs one host sync (the engine's `_timed` sizes its iterations).
+STREAM_SLICE_S = 0.05
+
 
 def join_scores(parts: Sequence[Scores]) -> Scores:
     """The scores of consecutive groups, joined in order."""
@@ -159,6 +163,7 @@ class RolloutPhases:
         self.num_hosts, self.host = num_hosts, host
         self.sampling = sampling_params(cfg)
         self.reward_pool = RewardPool(cfg.reward_num_workers, cfg.reward_worker_timeout_seconds)
+        self.streamed: list[int] = []  # groups `stream` gave the pool, in the order given
 
     def admit(self, step: int, history: stepmath.LengthHistory,
               global_idx: np.ndarray | None = None) -> Admission:
@@ -176,19 +181,46 @@ class RolloutPhases:
         return Admission(step, global_idx, global_idx[positions])
 
     def generate(self, adm: Admission, round_: int = 0) -> list[Completion]:
-        """The admitted groups' samples (here one completion a request) on the host's engine."""
+        """The admitted groups' samples (here one completion a request) on the host's engine;
+        streamed (`stream`) when rewards run on workers and the engine decodes in slices."""
         g = self.cfg.num_generations
         requests = [self.prompts.tokens[i] for i in adm.local_indices for _ in range(g)]
         if not requests:
             return []
-        return self.engine.generate(requests, self.sampling,
-                                    rollout_seed(self.cfg.seed, adm.step, self.host, round_))
+        seed = rollout_seed(self.cfg.seed, adm.step, self.host, round_)
+        if self.reward_pool.workers and self.engine.decodes_in_slices:
+            return self.stream(adm, requests, seed)
+        return self.engine.generate(requests, self.sampling, seed)
+
+    def stream(self, adm: Admission, requests: list[np.ndarray], seed: int
+               ) -> list[Completion]:
+        """`generate`'s samples, decoded in slices: each group goes to the reward pool as soon
+        as it is whole, and is scored while the rest decode (`score` collects them)."""
+        g = self.cfg.num_generations
+        samples: dict[int, Completion] = {}
+        with self.engine.session(self.sampling, len(requests), group_size=g,
+                                 max_prompt_length=max(len(r) for r in requests)) as session:
+            ids = session.join(requests, seed, group_size=g)
+            index = {request_id: i for i, request_id in enumerate(ids)}
+            while session.unfinished:
+                finished = session.step(time_budget_s=STREAM_SLICE_S)
+                samples.update(finished)
+                for group in sorted({index[r] // g for r in finished}):
+                    texts = completion_texts(self.prompts.tokenizer,
+                                             [samples[r] for r in ids[group * g:(group + 1) * g]])
+                    self.submit_group(adm, group, texts, {})
+                    self.streamed.append(group)
+        return [samples[r] for r in ids]
 
     def score(self, adm: Admission, completions: list[Completion]) -> Scores:
         """(rewards, correct, group advantages) of `generate`'s samples; every group is whole
-        on this host."""
+        on this host. Streamed groups were scored as they came: their scores are collected."""
         if not completions:
             return (np.zeros(0, np.float32),) * 3
+        if self.streamed:
+            order, self.streamed = np.argsort(self.streamed), []
+            parts = self.reward_pool.results()
+            return join_scores([parts[i] for i in order])
         return self.score_texts(adm, completion_texts(self.prompts.tokenizer, completions))
 
     def score_texts(self, adm: Admission, texts: list[str], extra: dict[str, list] | None = None
