@@ -20,6 +20,8 @@ from tunix_mcjax.engine import quantize  # noqa: E402
 from tunix_mcjax.engine.base import SamplingParams  # noqa: E402
 from tunix_mcjax.engine.jax_engine import JaxEngine  # noqa: E402
 from tunix_mcjax.engine.options import EngineOptions  # noqa: E402
+from tunix_mcjax.engine.trees import flatten_tree, unflatten_tree  # noqa: E402
+from tunix_mcjax.train import layer_runs, lora  # noqa: E402
 
 MAX_NEW = 16
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, greedy=True, ignore_eos=True)
@@ -144,6 +146,37 @@ def test_weight_bytes_are_a_byte_a_value_plus_scales(bf16_config, params, decode
     assert (gate.qvalue.nbytes, gate.scale.nbytes) == (d * f, 4 * f)
     embedding = int8.weights(0)["embedder"]["input_embedding"]
     assert embedding.dtype == jnp.bfloat16 and not quantize.is_quantized(embedding)
+
+
+def test_the_trainers_stacked_runs_quantize_as_its_layers_do():
+    """A publish hands the trainer's layer runs (`layers/from_<s>`, LoRA on layer 1 splits
+    them in three): the engine holds the same values and scales as from per-layer leaves, the
+    adapters unquantized, and a later per-layer load replaces one layer of a whole run."""
+    cfg = config.load_config(None, ["base_num_decoder_layers=3", "lora_rank=4", "lora_alpha=8",
+                                    "lora_module_path=layers/1/.*q_proj"])
+    mc = models.model_config(cfg, vocab_size=VOCAB, for_sampling=True)
+    model = lora.add_adapters(models.create_model(mc, 0))
+    per_layer = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+    stacks = nnx.to_pure_dict(layer_runs.stack(nnx.state(model, nnx.Param)))
+    engines = [engine_of(mc, tree, "int8") for tree in (per_layer, stacks)]
+    want, got = (flatten_tree(e.weights(0)) for e in engines)
+    assert got.keys() == want.keys()
+    for path, leaf in want.items():
+        assert quantize.is_quantized(leaf) == (quantize.contracted_axes(path) is not None)
+        jax.tree.map(np.testing.assert_array_equal, got[path], leaf)
+    assert not quantize.is_quantized(got["layers", "1", "attn", "q_proj", "w_lora_a"])
+    base = {p: x for p, x in flatten_tree(per_layer).items() if "lora" not in p[-1]}
+    whole = layer_runs.stack(unflatten_tree(base))
+    engines[1].load_weights(whole)
+    w = per_layer["layers"][2]["mlp"]["up_proj"]["kernel"]
+    engines[1].load_weights({"layers": {"2": {"mlp": {"up_proj": {"kernel": 2 * w}}}}})
+    up = engines[1].weights(0)["layers"]
+    np.testing.assert_array_equal(up["2"]["mlp"]["up_proj"]["kernel"].qvalue,
+                                  want["layers", "2", "mlp", "up_proj", "kernel"].qvalue)
+    np.testing.assert_allclose(up["2"]["mlp"]["up_proj"]["kernel"].scale,
+                               2 * want["layers", "2", "mlp", "up_proj", "kernel"].scale)
+    jax.tree.map(np.testing.assert_array_equal, up["0"]["mlp"]["up_proj"]["kernel"],
+                 want["layers", "0", "mlp", "up_proj", "kernel"])
 
 
 def test_qwen3_8b_int8_engine_weights_are_at_most_55_percent_of_bf16():
