@@ -1,5 +1,6 @@
 """Quantized rollout weights (`quantization`: int8, fp8) in the jax engine, on the tiny model."""
 
+import math
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
@@ -15,6 +16,7 @@ from jax.sharding import PartitionSpec as P  # noqa: E402
 from tests.test_engine import PAD, VOCAB, full_logits, params_of  # noqa: E402
 from tunix_mcjax import config, models, plan  # noqa: E402
 from tunix_mcjax.activations import model_shape  # noqa: E402
+from tunix_mcjax.aot.programs import engine_params  # noqa: E402
 from tunix_mcjax.config import ConfigError  # noqa: E402
 from tunix_mcjax.engine import quantize  # noqa: E402
 from tunix_mcjax.engine.base import SamplingParams  # noqa: E402
@@ -180,14 +182,21 @@ def test_the_trainers_stacked_runs_quantize_as_its_layers_do():
 
 
 def test_qwen3_8b_int8_engine_weights_are_at_most_55_percent_of_bf16():
-    """The planner's engine-weight term (the pool budget's), at Qwen3-8B's shape."""
+    """The planner's engine-weight term (the pool budget's) at Qwen3-8B's shape, equal to the
+    bytes of the param tree the AOT command compiles the engine over (`aot.programs`)."""
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "tp"))
+
     def engine_bytes(mode):
         cfg = config.load_config(None, ["model_name=qwen3-8b", "rollout_weight_dtype=bfloat16",
                                         f"quantization={mode}"])
-        shape = model_shape(models.model_config(cfg, vocab_size=0, for_sampling=True), 1)
-        return plan.engine_weight_bytes(cfg, shape)
+        mc = models.model_config(cfg, vocab_size=0, for_sampling=True)
+        planned = plan.engine_weight_bytes(cfg, model_shape(mc, 1))
+        tree = engine_params(mc, mesh, mode)
+        assert planned == sum(math.prod(x.shape) * x.dtype.itemsize
+                              for x in jax.tree.leaves(tree))
+        return planned
 
-    assert engine_bytes("int8") / engine_bytes("") <= 0.55
+    assert engine_bytes("int8") / engine_bytes("") <= 0.55  # 53.8%
     assert engine_bytes("fp8") == engine_bytes("int8")
 
 

@@ -120,6 +120,14 @@ def quantize_leaf(path: LeafPath, leaf: jax.Array, mode: str) -> jax.Array | qwi
         return _quantizer(mode, contracted, leaf.ndim, leaf.sharding)(leaf)
 
 
+def abstract_leaf(path: LeafPath, leaf: jax.ShapeDtypeStruct, mode: str) -> Any:
+    """`quantize_leaf`'s result as sharded ShapeDtypeStructs (for compiling ahead of time)."""
+    contracted = contracted_axes(path)
+    if not check_mode(mode) or contracted is None:
+        return leaf
+    return jax.eval_shape(_quantizer(mode, contracted, len(leaf.shape), leaf.sharding), leaf)
+
+
 def dequantize(w: qwix.QArray, dtype: Any) -> jax.Array:
     """A QArray's values times its scales (in float32), in `dtype`."""
     return (w.qvalue.astype(SCALE_DTYPE) * w.scale).astype(dtype)
