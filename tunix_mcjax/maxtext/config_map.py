@@ -288,7 +288,7 @@ AGENTIC_ADAPTER_KEYS = ("agentic_environment", "agentic_max_turn_tokens",
                         "agentic_tool_timeout_s")
 
 
-def _pop_keys(argv: Sequence[str], kwargs: dict, keys: tuple[str, ...]
+def pop_keys(argv: Sequence[str], kwargs: dict, keys: tuple[str, ...]
               ) -> tuple[list[str], dict, dict[str, Any]]:
     """(argv, kwargs) without `keys`, and the values given for them (parsed as YAML scalars,
     as MaxText parses its own)."""
@@ -303,7 +303,7 @@ def _pop_keys(argv: Sequence[str], kwargs: dict, keys: tuple[str, ...]
 def pop_agentic_keys(argv: Sequence[str], kwargs: dict
                      ) -> tuple[list[str], dict, dict[str, Any]]:
     """(argv, kwargs) without `AGENTIC_ADAPTER_KEYS`, and the values given for them."""
-    return _pop_keys(argv, kwargs, AGENTIC_ADAPTER_KEYS)
+    return pop_keys(argv, kwargs, AGENTIC_ADAPTER_KEYS)
 
 
 # Our rollout-trainer corrections, which MaxText has no keys for (docs/mismatch.md), given on
@@ -313,15 +313,8 @@ CORRECTION_ADAPTER_KEYS = ("sampler_is", "sampler_is_threshold", "rollout_rs",
                            "moe_router_replay")
 
 
-# MaxText's `quantization` given on train_rl's command line is taken off MaxText's config (whose
-# model build would quantize the trainer too) and quantizes the rollout engine's weights only.
+# Taken off MaxText's config (its model build would quantize the trainer): the engine's only.
 ROLLOUT_ADAPTER_KEYS = ("quantization",)
-
-
-def pop_rollout_keys(argv: Sequence[str], kwargs: dict
-                     ) -> tuple[list[str], dict, dict[str, Any]]:
-    """(argv, kwargs) without `ROLLOUT_ADAPTER_KEYS`, and the values given for them."""
-    return _pop_keys(argv, kwargs, ROLLOUT_ADAPTER_KEYS)
 
 
 def check_router_replay(config: Any, corrections: dict[str, Any]) -> None:
@@ -334,7 +327,7 @@ def check_router_replay(config: Any, corrections: dict[str, Any]) -> None:
 def pop_correction_keys(argv: Sequence[str], kwargs: dict
                         ) -> tuple[list[str], dict, dict[str, Any]]:
     """(argv, kwargs) without `CORRECTION_ADAPTER_KEYS`, and the values given for them."""
-    return _pop_keys(argv, kwargs, CORRECTION_ADAPTER_KEYS)
+    return pop_keys(argv, kwargs, CORRECTION_ADAPTER_KEYS)
 
 
 def check_agentic(changed: dict[str, Any], adapter_keys: dict[str, Any]) -> None:
