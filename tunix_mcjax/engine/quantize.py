@@ -5,7 +5,7 @@ The engine quantizes each projection matrix of a decoder layer (attention q/k/v/
 gate/up/down) and an untied lm head when its weights are loaded (a publish), into a
 `qwix.QArray`: the values in int8 or float8_e4m3fn and one float32 absmax scale per output
 channel (every axis the einsum does not contract, the layer axis of a stacked leaf included).
-The lm head is read whole every decode step, as the layers are; it is a sixth of Qwen3-8B's
+The lm head is read whole every decode step, as the layers are; it is 8% of Qwen3-8B's
 weights, and Qwen3-8B's int8 engine copy is 58% of bf16's without it, 54% with it. The rest
 stays in the engine's weight dtype: the embedding table (a gather reads a few rows per token, so
 quantizing it would save memory but no bandwidth; with tied embeddings, as Qwen3-0.6B to 4B

@@ -7,8 +7,8 @@ rows can be at different points of their sequences and share prompt pages.
 Params are the nested dict of `nnx.to_pure_dict(nnx.state(model, nnx.Param))` with string keys,
 except that the paged forward takes its decoder layers stacked (`layers/<name>` [L, ...] instead
 of `layers/<i>/<name>`: `stack_layers`) and scans one layer body over them, whatever the depth.
-A layer's projection matrices may be held quantized (`engine.quantize`, `qwix.QArray`): the
-layer body dequantizes them, so the convert and scale fuse into the matmuls that read them.
+A layer's projection matrices and an untied lm head may be held quantized (`engine.quantize`,
+`qwix.QArray`): each is dequantized just before its matmul, into which XLA fuses it on TPU.
 """
 
 from __future__ import annotations
