@@ -230,16 +230,31 @@ def test_pathways_and_vllm_settings_are_reported_not_applied():
 def test_unsupported_settings_are_refused_by_name(monkeypatch):
     with pytest.raises(ConfigError) as err:
         checked_config(maxtext_argv("max_seq_token_per_tpu=4096", "dropout_rate=0.1",
-                                    "quantization=int8", "max_target_length=2048"), {}, 1)
+                                    "max_target_length=2048"), {}, 1)
     msg = str(err.value)
     for key in ("max_seq_token_per_tpu=4096", "dropout_rate=0.1",
-                "quantization='int8'", "token-budget micro-batching", "without dropout"):
+                "token-budget micro-batching", "without dropout"):
         assert key in msg
     assert "max_target_length" not in msg  # honoured, so not named
     # Also through MaxText's `M_<KEY>` environment overrides.
     monkeypatch.setenv("M_MAX_SEQ_TOKEN_PER_TPU", "4096")
     with pytest.raises(ConfigError, match="max_seq_token_per_tpu=4096: no token-budget"):
         checked_config(maxtext_argv(), {}, 1)
+
+
+def test_quantization_on_the_command_line_quantizes_the_rollout_only(tmp_path):
+    """MaxText's `quantization` from train_rl's command line sets the jax engine's weights;
+    MaxText's config (which builds the trainer) never sees it. In a config file it would
+    quantize the trainer too, so it is refused by name, as it is for the maxtext engine."""
+    config, cfg, _ = checked_config(maxtext_argv("quantization=int8"), {}, 1)
+    assert cfg.quantization == "int8" and cfg.rollout_engine == "jax"
+    assert not getattr(config.quantization, "value", config.quantization)
+    with pytest.raises(ConfigError, match="quantization=fp8: rollout_engine=maxtext"):
+        checked_config(maxtext_argv("quantization=fp8", "rollout_engine=maxtext"), {}, 1)
+    yml = tmp_path / "quantized.yml"
+    yml.write_text(f"base_config: {RL_YML}\nquantization: int8\n")
+    with pytest.raises(ConfigError, match="quantization='int8': set in a config file"):
+        checked_config(["", str(yml), *maxtext_argv()[2:]], {}, 1)
 
 
 @pytest.mark.parametrize("overrides,match", [

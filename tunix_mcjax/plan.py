@@ -38,7 +38,7 @@ from tunix_mcjax.activations import (
     model_shape,
 )
 from tunix_mcjax.config import Config, ConfigError, load_config
-from tunix_mcjax.engine import pages
+from tunix_mcjax.engine import pages, quantize
 from tunix_mcjax.engine.buckets import pow2_at_least, prompt_bucket
 from tunix_mcjax.engine.options import DEFAULT_MAX_NUM_BATCHED_TOKENS
 
@@ -177,8 +177,15 @@ def engine_weight_dtype(cfg: Config) -> str:
 
 
 def engine_weight_bytes(cfg: Config, m: ModelShape) -> int:
-    """The engine's copy of the weights on one device (tensor parallelism splits it)."""
-    return m.param_count * DTYPE_BYTES[engine_weight_dtype(cfg)] // cfg.rollout_tensor_parallelism
+    """The engine's copy of the weights on one device (tensor parallelism splits it); under
+    `quantization` the layers' projections and an untied lm head take a byte a value and a
+    float32 scale an output channel (`engine.quantize`)."""
+    itemsize = DTYPE_BYTES[engine_weight_dtype(cfg)]
+    total = m.param_count * itemsize
+    if cfg.quantization:
+        values, channels = quantize.quantized_sizes(m)
+        total -= values * (itemsize - quantize.VALUE_BYTES) - channels * quantize.SCALE_BYTES
+    return total // cfg.rollout_tensor_parallelism
 
 
 def paged_shape(cfg: Config, cluster: Cluster, m: ModelShape) -> PagedShape:

@@ -28,11 +28,11 @@ from tunix_mcjax import models, plan
 from tunix_mcjax.aot import PROGRAMS
 from tunix_mcjax.aot.target import Target
 from tunix_mcjax.config import Config
-from tunix_mcjax.engine import jax_engine, pages
+from tunix_mcjax.engine import jax_engine, pages, quantize
 from tunix_mcjax.engine.buckets import pow2_at_least
 from tunix_mcjax.engine.decode_loop import build_program
 from tunix_mcjax.engine.jax_engine import MAX_STOP_IDS
-from tunix_mcjax.engine.layer_stack import layer_of
+from tunix_mcjax.engine.layer_stack import LAYERS, layer_of
 from tunix_mcjax.engine.loop_state import Inputs, ProgramShape
 from tunix_mcjax.engine.paged_attention import layout_for
 from tunix_mcjax.engine.qwen3_forward import PagedRows, Qwen3PagedModel
@@ -41,6 +41,7 @@ from tunix_mcjax.engine.trees import unflatten_tree
 from tunix_mcjax.publish import Publisher
 from tunix_mcjax.runtime.phases import sampling_params
 from tunix_mcjax.train import lora
+from tunix_mcjax.train.layer_runs import run_key
 from tunix_mcjax.train.trainer import BATCH_KEYS, Trainer, qwen3_policy
 
 
@@ -116,17 +117,20 @@ def train_step(cfg: Config, target: Target, mc, p: plan.Plan) -> tuple[Program, 
     return Program("train step", "train", lowered, args, None), trainer
 
 
-def engine_params(mc, mesh) -> dict:
+def engine_params(mc, mesh, quantization: str = "") -> dict:
     """The engine's param tree as sharded ShapeDtypeStructs (`JaxEngine`'s specs), its decoder
-    layers stacked as the scanned forward takes them (`layer_stack`)."""
+    layers stacked as the scanned forward takes them (`layer_stack`), quantized as the engine
+    holds them under `quantization` (`engine.quantize`)."""
     tp, flat = mesh.shape["tp"], {}
     for path, spec in jax_engine._leaf_specs(mc, tp).items():
         found = layer_of(path)
         if found is None:
-            flat[path] = sds(spec.shape, spec.dtype, NamedSharding(mesh, spec.partition))
+            flat[path] = quantize.abstract_leaf(path, sds(
+                spec.shape, spec.dtype, NamedSharding(mesh, spec.partition)), quantization)
         elif found[0] == 0:  # one stack per layer leaf, from layer 0's spec
-            flat[found[1]] = sds((mc.num_layers, *spec.shape), spec.dtype,
-                                 NamedSharding(mesh, P(None, *spec.partition)))
+            flat[found[1]] = quantize.abstract_leaf((LAYERS, run_key(0), *found[1][1:]), sds(
+                (mc.num_layers, *spec.shape), spec.dtype,
+                NamedSharding(mesh, P(None, *spec.partition))), quantization)
     return unflatten_tree(flat)
 
 
@@ -134,7 +138,7 @@ def engine_model(cfg: Config, target: Target, mc_train) -> tuple[Qwen3PagedModel
     """The TPU decode model of one replica, and its param shapes."""
     mc = models.model_config(cfg, mc_train.vocab_size, for_sampling=True)
     mesh = target.replica_mesh(cfg.rollout_tensor_parallelism)
-    return tpu_model(mc, mesh), engine_params(mc, mesh)
+    return tpu_model(mc, mesh), engine_params(mc, mesh, cfg.quantization)
 
 
 def tpu_model(mc, mesh: Mesh) -> Qwen3PagedModel:

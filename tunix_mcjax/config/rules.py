@@ -51,7 +51,7 @@ def json_object(cfg: Keys, key: str) -> dict[str, Any]:
 def check_rules(cfg: Keys) -> None:
     """Every cross-key rule that needs no cluster shape. Raises ConfigError."""
     for rule in (_vllm, _kv_pool, _disaggregated, _runtime, _lengths_and_sampling,
-                 _model_and_data, _train_memory, _lora, _evaluation_and_profiler,
+                 _model_and_data, _train_memory, _lora, _quantization, _evaluation_and_profiler,
                  _rollout_correction, agentic_rules.check):
         rule(cfg)
 
@@ -182,6 +182,14 @@ def _lora(cfg: Keys) -> None:
     if cfg.rollout_engine != "jax":
         raise ConfigError(f"lora_rank={cfg.lora_rank}: rollout_engine={cfg.rollout_engine} does "
                           "not decode LoRA adapters; use rollout_engine=jax")
+
+
+def _quantization(cfg: Keys) -> None:
+    """Quantized rollout weights: the jax engine's only (the trainer never quantizes)."""
+    if cfg.quantization and cfg.rollout_engine != "jax":
+        raise ConfigError(f"quantization={cfg.quantization}: rollout_engine={cfg.rollout_engine} "
+                          "does not quantize its weights yet (the jax engine does); use "
+                          "rollout_engine=jax, or drop quantization")
 
 
 def _evaluation_and_profiler(cfg: Keys) -> None:

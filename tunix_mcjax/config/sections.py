@@ -155,6 +155,11 @@ class Rollout:
     rollout_weight_dtype: Literal["", "float32", "bfloat16"] = key(
         "", "The engine's weight dtype; empty: weight_dtype. bfloat16 halves the engine's copy "
         "(python -m tunix_mcjax.plan shows what it saves).")
+    quantization: Literal["", "int8", "fp8"] = key(
+        "", "MaxText's name; here the rollout engine's weights only: the jax engine holds each "
+        "layer's projection matrices per output channel in int8 or fp8 (e4m3) with float32 "
+        "scales, quantized as a publish loads them (embeddings, norms, lm head stay in "
+        "rollout_weight_dtype). The trainer keeps full precision. rollout_engine=jax only.")
 
 
 @section

@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3 import model as qwen3
 
 from tunix_mcjax import hostmem, memory
-from tunix_mcjax.engine import layer_stack, pages
+from tunix_mcjax.engine import layer_stack, pages, quantize
 from tunix_mcjax.engine.base import Completion, Engine, SamplingParams
 from tunix_mcjax.engine.buckets import pack_prompts, pow2_at_least, prompt_bucket
 from tunix_mcjax.engine.completions import completion_of, stats_of
@@ -194,9 +194,10 @@ class JaxEngine(Engine):
         return pages.pool_pages(budget, self._page_bytes(tp), self._pages_needed())
 
     def _weight_bytes(self, tp: int) -> int:
-        """The engine's weights on one device."""
-        return sum(int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
-                   for s in self._leaf_specs.values()) // tp
+        """The engine's weights on one device (projections quantized under `quantization`)."""
+        return sum(quantize.weight_bytes(path, s.shape, np.dtype(s.dtype).itemsize,
+                                         self.options.quantization)
+                   for path, s in self._leaf_specs.items()) // tp
 
     def _check_pool(self) -> None:
         """One sequence at the caps, with its prompt's pages, must fit: then the loop always
@@ -229,7 +230,9 @@ class JaxEngine(Engine):
         for mesh, replica_params in zip(self.meshes, self._params, strict=True):
             with jax.set_mesh(mesh):  # a cast runs on the replica, not the trainer's mesh
                 for path, leaf in flat.items():
-                    replica_params[path] = self._place(leaf, specs[path], mesh)
+                    placed = self._place(leaf, specs[path], mesh)
+                    replica_params[path] = quantize.quantize_leaf(path, placed,
+                                                                  self.options.quantization)
 
     def _spec_of(self, path: LeafPath, leaf: Any) -> _LeafSpec | None:
         """A path's spec; a trainer's layer run (`layer_stack.run_of`) stacks its first

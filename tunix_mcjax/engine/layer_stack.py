@@ -4,7 +4,8 @@
 as the engine loads and reports it, that holds each per-layer leaf as one array over the layers
 (`layers/attn/q_proj/w` [L, ...]). A loaded layer leaf is written into its stack in place (a
 donated update), so loading costs one leaf of memory at a time and nothing per generate
-restacks; `tree()` is the stacked tree the engine's program scans over.
+restacks; `tree()` is the stacked tree the engine's program scans over. A quantized leaf
+(`engine.quantize`: a `qwix.QArray` of values and scales) is stacked field by field.
 
 It also takes the trainer's stacks as they are (`layers/from_<s>/attn/q_proj/w` [n, ...],
 `train.layer_runs`): a stack of every layer becomes the engine's stack with no copy, a shorter
@@ -75,6 +76,11 @@ def stacked_sharding(leaf: jax.Array) -> NamedSharding:
     return NamedSharding(sharding.mesh, P(None, *sharding.spec))
 
 
+def _mesh_of(leaf: Any) -> jax.sharding.Mesh:
+    """The mesh a leaf (or each field of a quantized one) is placed on."""
+    return stacked_sharding(jax.tree.leaves(leaf)[0]).mesh
+
+
 class StackedParams(Mapping):
     """Per-layer paths in, stacked arrays inside (module docstring). A layer the tree has no
     leaf for (LoRA adapters on some layers only) holds zeros in that leaf's stack, which add
@@ -87,7 +93,7 @@ class StackedParams(Mapping):
         self._loaded: dict[LeafPath, None] = {}  # per-layer paths set at least once, in order
         self._adopted: set[LeafPath] = set()  # stacks that are a loaded array (not ours to donate)
 
-    def __setitem__(self, path: LeafPath, leaf: jax.Array) -> None:
+    def __setitem__(self, path: LeafPath, leaf: Any) -> None:
         if run_of(path) is not None:
             self._set_run(path, leaf)
             return
@@ -99,25 +105,27 @@ class StackedParams(Mapping):
         if not 0 <= index < self.num_layers:
             raise ValueError(f"param {'/'.join(path)}: layer {index} is not one of the "
                              f"model's {self.num_layers}")
-        sharding = stacked_sharding(leaf)
-        with jax.set_mesh(sharding.mesh):  # not the trainer's mesh a publish may run under
-            stack = self._own_stack(stacked, leaf.shape, leaf.dtype, sharding)
-            self._stacks[stacked] = _setter(sharding)(stack, leaf, index)
+        with jax.set_mesh(_mesh_of(leaf)):  # not the trainer's mesh a publish may run under
+            stack = self._own_stack(stacked, leaf, lead=0)
+            self._stacks[stacked] = jax.tree.map(
+                lambda s, part: _setter(s.sharding)(s, part, index), stack, leaf)
         self._loaded[path] = None
 
-    def _own_stack(self, stacked: LeafPath, shape: tuple[int, ...], dtype: Any,
-                   sharding: NamedSharding) -> jax.Array:
-        """The stack at `stacked` as a buffer this store may donate: zeros when there is none,
-        a copy of an adopted one (the trainer's array stays intact)."""
+    def _own_stack(self, stacked: LeafPath, leaf: Any, lead: int) -> Any:
+        """The stack at `stacked` as a buffer this store may donate: zeros (shaped as `leaf`
+        less its `lead` layer axes) when there is none, a copy of an adopted one (the
+        trainer's array stays intact). A quantized leaf (`qwix.QArray`) stacks field by field."""
         stack = self._stacks.get(stacked)
         if stack is None:
-            return _zeros((self.num_layers, *shape), dtype, sharding)()
+            return jax.tree.map(lambda part: _zeros(
+                (self.num_layers, *part.shape[lead:]), part.dtype,
+                stacked_sharding(part) if lead == 0 else part.sharding)(), leaf)
         if stacked in self._adopted:
             self._adopted.discard(stacked)
-            return jax.jit(jnp.copy, out_shardings=sharding)(stack)
+            return jax.tree.map(lambda s: jax.jit(jnp.copy, out_shardings=s.sharding)(s), stack)
         return stack
 
-    def _set_run(self, path: LeafPath, leaf: jax.Array) -> None:
+    def _set_run(self, path: LeafPath, leaf: Any) -> None:
         """A trainer's stack of layers s..s+n-1 (placed with the layer axis unsplit)."""
         start, stacked = run_of(path)
         n = leaf.shape[0]
@@ -128,21 +136,21 @@ class StackedParams(Mapping):
             self._stacks[stacked] = leaf
             self._adopted.add(stacked)
         else:
-            sharding = leaf.sharding
-            with jax.set_mesh(sharding.mesh):
-                stack = self._own_stack(stacked, leaf.shape[1:], leaf.dtype, sharding)
-                self._stacks[stacked] = _run_setter(sharding)(stack, leaf, start)
+            with jax.set_mesh(_mesh_of(leaf)):
+                stack = self._own_stack(stacked, leaf, lead=1)
+                self._stacks[stacked] = jax.tree.map(
+                    lambda s, part: _run_setter(s.sharding)(s, part, start), stack, leaf)
         for i in range(start, start + n):
             self._loaded[(LAYERS, str(i), *stacked[1:])] = None
 
-    def __getitem__(self, path: LeafPath) -> jax.Array:
+    def __getitem__(self, path: LeafPath) -> Any:
         """A per-layer path's leaf: a slice of its stack (a copy; the program never asks)."""
         found = layer_of(path)
         if found is None:
             return self._others[path]
         if path not in self._loaded:
             raise KeyError(path)
-        return self._stacks[found[1]][found[0]]
+        return jax.tree.map(lambda s: s[found[0]], self._stacks[found[1]])
 
     def __iter__(self) -> Iterator[LeafPath]:
         return iter([*self._others, *self._loaded])

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from tunix_mcjax.engine import pages
+from tunix_mcjax.engine.quantize import check_mode
 
 DEFAULT_MAX_NUM_BATCHED_TOKENS = 2048  # prefill tokens per loop iteration
 DEFAULT_HBM_UTILIZATION = 0.72  # MaxText's rl.yml default for hbm_utilization_vllm
@@ -27,7 +28,8 @@ class EngineOptions:
     at the caps could use. `max_num_batched_tokens` bounds the prompt tokens one loop iteration
     prefills. `prefix_caching` lets the requests of one prompt share its pages. The pool is made
     on first use and kept, unless `free_pool_after_generate` (a colocated trainer wants the
-    memory between rollouts)."""
+    memory between rollouts). `quantization` (int8, fp8; "" none) is the dtype the jax engine
+    holds its projection weights in (`engine.quantize`)."""
 
     pad_id: int
     eos_ids: tuple[int, ...]
@@ -44,6 +46,7 @@ class EngineOptions:
     max_num_batched_tokens: int = DEFAULT_MAX_NUM_BATCHED_TOKENS
     prefix_caching: bool = True
     free_pool_after_generate: bool = False
+    quantization: str = ""
 
     def __post_init__(self):
         if self.max_prompt_length < 1 or self.max_new_tokens < 1 or self.max_batch_size < 1:
@@ -52,6 +55,7 @@ class EngineOptions:
                 or not 0 < self.hbm_utilization <= 1:
             raise ValueError("page_size (vllm_block_size) and max_num_batched_tokens must be >= "
                              "1, and hbm_utilization (hbm_utilization_vllm) in (0, 1]")
+        check_mode(self.quantization)
         # One id once, in order.
         object.__setattr__(self, "eos_ids", tuple(dict.fromkeys(int(i) for i in self.eos_ids)))
 

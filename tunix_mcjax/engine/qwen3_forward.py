@@ -7,6 +7,8 @@ rows can be at different points of their sequences and share prompt pages.
 Params are the nested dict of `nnx.to_pure_dict(nnx.state(model, nnx.Param))` with string keys,
 except that the paged forward takes its decoder layers stacked (`layers/<name>` [L, ...] instead
 of `layers/<i>/<name>`: `stack_layers`) and scans one layer body over them, whatever the depth.
+A layer's projection matrices and an untied lm head may be held quantized (`engine.quantize`,
+`qwix.QArray`): each is dequantized just before its matmul, into which XLA fuses it on TPU.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from jax.sharding import NamedSharding
 from tunix.models.qwen3.model import ModelConfig
 
 from tunix_mcjax.engine.paged_attention import CombinedPages, SharedPrefix, SplitPages
+from tunix_mcjax.engine.quantize import dequantize_tree
 from tunix_mcjax.train.qwen3_layer import Params, decoder_layer, embed_tokens, logits_of
 
 # How a layer's pages are laid out, written and attended (`engine.paged_attention`).
@@ -70,6 +73,7 @@ def paged_forward(
 
     def layer_step(carry, layer_params):
         x, pool, index = carry
+        layer_params = dequantize_tree(layer_params, cfg.dtype)  # quantized weights, if any
 
         def attend(q, k, v):
             written = layout.write(pool, rows.write_pages, rows.write_offsets, k, v, layer=index)
@@ -81,7 +85,8 @@ def paged_forward(
 
     (x, pool, _), _ = jax.lax.scan(layer_step, (x, pool, jnp.int32(0)), params["layers"])
     last = x[jnp.arange(r), rows.logit_cols]
-    return logits_of(cfg, params, last), pool
+    head = dequantize_tree({k: v for k, v in params.items() if k != "layers"}, cfg.dtype)
+    return logits_of(cfg, head, last), pool
 
 
 class Qwen3PagedModel:

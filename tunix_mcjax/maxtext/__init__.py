@@ -96,6 +96,7 @@ def checked_config(argv: Sequence[str], kwargs: dict,
     argv, kwargs, engine = config_map.pop_rollout_engine(argv, kwargs)
     argv, kwargs, agentic = config_map.pop_agentic_keys(argv, kwargs)
     argv, kwargs, corrections = config_map.pop_correction_keys(argv, kwargs)
+    argv, kwargs, rollout = config_map.pop_keys(argv, kwargs, config_map.ROLLOUT_ADAPTER_KEYS)
     config, default = load_maxtext_config(argv, kwargs)
     engine = engine or config_map.rollout_engine_for(config)
     changed = config_map.changed_keys(config, default)
@@ -105,7 +106,7 @@ def checked_config(argv: Sequence[str], kwargs: dict,
     config_map.check_router_replay(config, corrections)
     tokenizer_path = resolve_tokenizer_path(config.tokenizer_path)
     return config, config_map.to_config(config, num_hosts, tokenizer_path, changed,
-                                        engine, agentic, corrections), not_applied
+                                        engine, agentic, corrections, rollout), not_applied
 
 
 def run(argv: Sequence[str], kwargs: dict, topo: topology.Topology) -> dict | None:

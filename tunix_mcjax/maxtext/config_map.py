@@ -288,7 +288,7 @@ AGENTIC_ADAPTER_KEYS = ("agentic_environment", "agentic_max_turn_tokens",
                         "agentic_tool_timeout_s")
 
 
-def _pop_keys(argv: Sequence[str], kwargs: dict, keys: tuple[str, ...]
+def pop_keys(argv: Sequence[str], kwargs: dict, keys: tuple[str, ...]
               ) -> tuple[list[str], dict, dict[str, Any]]:
     """(argv, kwargs) without `keys`, and the values given for them (parsed as YAML scalars,
     as MaxText parses its own)."""
@@ -303,7 +303,7 @@ def _pop_keys(argv: Sequence[str], kwargs: dict, keys: tuple[str, ...]
 def pop_agentic_keys(argv: Sequence[str], kwargs: dict
                      ) -> tuple[list[str], dict, dict[str, Any]]:
     """(argv, kwargs) without `AGENTIC_ADAPTER_KEYS`, and the values given for them."""
-    return _pop_keys(argv, kwargs, AGENTIC_ADAPTER_KEYS)
+    return pop_keys(argv, kwargs, AGENTIC_ADAPTER_KEYS)
 
 
 # Our rollout-trainer corrections, which MaxText has no keys for (docs/mismatch.md), given on
@@ -311,6 +311,10 @@ def pop_agentic_keys(argv: Sequence[str], kwargs: dict
 CORRECTION_ADAPTER_KEYS = ("sampler_is", "sampler_is_threshold", "rollout_rs",
                            "rollout_rs_threshold", "rollout_rs_threshold_lower",
                            "moe_router_replay")
+
+
+# Taken off MaxText's config (its model build would quantize the trainer): the engine's only.
+ROLLOUT_ADAPTER_KEYS = ("quantization",)
 
 
 def check_router_replay(config: Any, corrections: dict[str, Any]) -> None:
@@ -323,7 +327,7 @@ def check_router_replay(config: Any, corrections: dict[str, Any]) -> None:
 def pop_correction_keys(argv: Sequence[str], kwargs: dict
                         ) -> tuple[list[str], dict, dict[str, Any]]:
     """(argv, kwargs) without `CORRECTION_ADAPTER_KEYS`, and the values given for them."""
-    return _pop_keys(argv, kwargs, CORRECTION_ADAPTER_KEYS)
+    return pop_keys(argv, kwargs, CORRECTION_ADAPTER_KEYS)
 
 
 def check_agentic(changed: dict[str, Any], adapter_keys: dict[str, Any]) -> None:
@@ -374,7 +378,9 @@ REFUSED: dict[str, str] = {
     "max_seq_token_per_tpu": "no token-budget micro-batching yet",
     "dropout_rate": "the policy trains without dropout",
     "async_checkpointing": "checkpoints are saved synchronously",
-    "quantization": "quantized training is not supported",
+    "quantization": "set in a config file or M_QUANTIZATION it would quantize MaxText's trainer "
+                    "too, which trains in full precision here; pass quantization=int8 or fp8 on "
+                    "train_rl's command line: the rollout engine's weights only (jax engine)",
     "rope_max_timescale": "the engine's Qwen3 forward rotates with theta 1e6 (Tunix's)",
 }
 
@@ -503,13 +509,14 @@ def _dtype(value: Any) -> str:
 def to_config(config: Any, num_hosts: int, tokenizer_path: str,
               changed: dict[str, Any] | None = None, rollout_engine: str | None = None,
               agentic: dict[str, Any] | None = None,
-              corrections: dict[str, Any] | None = None) -> Config:
+              corrections: dict[str, Any] | None = None,
+              rollout: dict[str, Any] | None = None) -> Config:
     """Our Config from MaxText's (already checked with `check_keys` and `check_model`).
     `changed`: the keys set away from MaxText's defaults; a vLLM key with an equivalent here
     (`VLLM_KEYS`) sets it only when changed. Under rollout_engine=vllm the engine takes
     MaxText's vLLM settings as they are (`VLLM_ENGINE_KEYS`). `rollout_engine` None: the
     model's engine (`rollout_engine_for`). `agentic`: the `AGENTIC_ADAPTER_KEYS` given;
-    `corrections`: the `CORRECTION_ADAPTER_KEYS` given."""
+    `corrections`: the `CORRECTION_ADAPTER_KEYS` given; `rollout`: the `ROLLOUT_ADAPTER_KEYS`."""
     rl = config.rl
     values = {
         "rl_runtime": "mcjax",
@@ -579,6 +586,7 @@ def to_config(config: Any, num_hosts: int, tokenizer_path: str,
     if rl.use_agentic_rollout:
         values.update(agentic_values(rl, agentic or {}))
     values.update(corrections or {})
+    values.update(rollout or {})
     values["reward_num_workers"] = config.reward_num_workers
     values["reward_worker_timeout_seconds"] = config.reward_worker_timeout_seconds
     values.update({target: changed[key] for key, target in VLLM_KEYS.items()

@@ -25,6 +25,7 @@ def engine_options(cfg: Config, pad_id: int, eos_ids: tuple[int, ...]) -> Engine
         hbm_utilization=cfg.hbm_utilization_vllm,
         prefix_caching=cfg.enable_prefix_caching,
         free_pool_after_generate=cfg.free_kv_cache_during_weight_sync,
+        quantization=cfg.quantization,
         **{key: value for key, value in pool.items() if value},
     )
 
