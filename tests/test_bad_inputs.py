@@ -304,6 +304,22 @@ def test_stuck_phase_ends_by_its_own_budget():
            "aborting. Raise collective_timeout_s if this phase is just slow." in proc.stderr
 
 
+@pytest.mark.slow
+def test_a_host_later_than_gloos_30s_still_exchanges(tmp_path):
+    """Host 1 reaches its first exchange 40 s after host 0 (as after compiling what host 0
+    loaded from JAX's cache): the hosts meet on the coordination service first, so gloo's 30 s
+    for a collective's first run is never spent waiting."""
+    from tests.mp import launch_worker
+
+    proc = launch_worker("tests.workers.late_host", DEMO,
+                         [*SMALL, f"base_output_directory={tmp_path}", "run_name=late"],
+                         devices=1, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for host in (0, 1):
+        gathered = json.loads((tmp_path / "late" / f"gathered_{host}.json").read_text())
+        assert gathered == [[0, 0], [1, 7]]
+
+
 def test_a_closed_watchdog_has_ended_its_thread():
     """A run's watchdog is closed at exit (atexit), before JAX shuts its client down: no thread
     is left polling that client while the interpreter finalizes."""

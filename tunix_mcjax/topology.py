@@ -29,6 +29,10 @@ PREEMPTED_EXIT_CODE = 143  # 128 + SIGTERM, as a process killed by the notice wo
 _ABORT_KEY = "tunix_mcjax/abort"
 CLOSE_TIMEOUT_S = 10.0  # a watchdog's poll is one non-blocking key-value read
 _ABORT_LINGER_S = 2.0  # a failing host keeps the coordination service up this long for peers
+# A barrier's own bound; the phase's watchdog (collective_timeout_s, compile_timeout_s) ends a
+# guarded wait long before it.
+BARRIER_TIMEOUT_S = 24 * 3600.0
+_barriers: dict[str, int] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +92,25 @@ def trainer_mesh(topo: Topology) -> Mesh:
     return Mesh(devices, ("fsdp", "tp"), axis_types=(AxisType.Auto, AxisType.Auto))
 
 
+def arrive_together(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
+    """Waits on the coordination service until every host is here, before a CPU collective.
+
+    Gloo gives a collective's first run over a set of devices 30 s for every process to
+    arrive, then fails. Hosts can be further apart than that after host-local compiles: JAX
+    writes its persistent compilation cache from process 0 only, so with a warm cache host 0
+    loads its engine's programs while every other host compiles its own (seen at 2 x 2 under
+    load: the second launch on one cache failed at step 0's exchange). TPU and GPU collectives
+    have no such limit, so there is no barrier there."""
+    client = _client()
+    if client is None or jax.process_count() == 1 or jax.devices()[0].platform != "cpu":
+        return
+    count = _barriers[name] = _barriers.get(name, -1) + 1
+    client.wait_at_barrier(f"tunix_mcjax/{name}/{count}", timeout_in_ms=int(timeout_s * 1000))
+
+
 def allgather(values: np.ndarray) -> np.ndarray:
-    """[num_hosts, *values.shape]: every host's `values`, in host order, bit-exact.
+    """[num_hosts, *values.shape]: every host's `values`, in host order, bit-exact, once every
+    host has arrived (`arrive_together`).
 
     With x64 off JAX would narrow 8-byte numbers to 4 (a float64 count above 2**24 would lose
     exactness), so 8-byte dtypes travel as pairs of int32 words and are reassembled here.
@@ -97,6 +118,7 @@ def allgather(values: np.ndarray) -> np.ndarray:
     values = np.ascontiguousarray(values)
     if jax.process_count() == 1:
         return values[None]
+    arrive_together("allgather")
     if values.dtype.itemsize != 8:
         return np.asarray(multihost_utils.process_allgather(values))
     words = values.reshape(-1).view(np.int32)

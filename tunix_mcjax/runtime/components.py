@@ -56,6 +56,7 @@ def build(cfg: Config, topo: topology.Topology,
     topology.use_compilation_cache(cfg.jax_cache_dir)
     if callable(components):
         with watchdog.guard("build", compiles=True):
+            topology.arrive_together("build")  # the build's first cross-host program
             components = components()
     tokenizer = components.tokenizer if components else \
         load_tokenizer(cfg.tokenizer_type, cfg.tokenizer_path)
@@ -63,6 +64,7 @@ def build(cfg: Config, topo: topology.Topology,
                            topo.host)
     if components is None:
         with watchdog.guard("build", compiles=True):
+            topology.arrive_together("build")
             components = default_components(cfg, topo, tokenizer, prompts.task)
     return components, prompts
 
