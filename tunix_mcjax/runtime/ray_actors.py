@@ -120,9 +120,11 @@ class RolloutWorker:
 
     def _take(self, update: ray.ObjectRef, waited: list[float]) -> int:
         """Waits for the trainers' update `update`, loads the version it published (the last
-        one when it skipped) and returns it; the seconds it took go to `waited`."""
+        one when it skipped) and returns it; the seconds it took go to `waited` (the update
+        may be the trainers' first, which compiles)."""
         t0 = time.perf_counter()
-        published = ray.get(update, timeout=self.cfg.collective_timeout_s)
+        published = ray.get(update, timeout=max(self.cfg.collective_timeout_s,
+                                                self.cfg.compile_timeout_s))
         self._load(published["version"], published["weights"])
         waited[0] = time.perf_counter() - t0
         return self.version
