@@ -103,9 +103,28 @@ def _disaggregated(cfg: Keys) -> None:
                           f"evaluates the built-in task's held-out prompts (dataset_name="
                           f"next_digit), and dataset_name={cfg.dataset_name} has none: set "
                           "num_test_batches=0, or use rl_runtime=mcjax")
+    _in_flight(cfg)
     if cfg.rollout_engine != "jax":
         raise ConfigError(f"rl_runtime=mcjax_da runs rollout_engine=jax in its rollout actors; "
                           f"rollout_engine={cfg.rollout_engine} is colocated-only for now")
+
+
+def _in_flight(cfg: Keys) -> None:
+    """in_flight_weight_updates: a decode session (the jax engine's), a next version to take."""
+    if not cfg.in_flight_weight_updates:
+        if changed(cfg, ("in_flight_update_iterations",)):
+            raise ConfigError("in_flight_update_iterations sets when in-flight weight updates "
+                              "happen, which are off: set in_flight_weight_updates=true or "
+                              "drop it")
+        return
+    if cfg.rollout_engine != "jax":
+        raise ConfigError(f"in_flight_weight_updates=true decodes each batch on a decode "
+                          f"session in slices; rollout_engine={cfg.rollout_engine} has none "
+                          "here: use rollout_engine=jax or drop in_flight_weight_updates")
+    if cfg.off_policy_steps == 0:
+        raise ConfigError("in_flight_weight_updates=true loads the version the trainers are "
+                          "making while a batch decodes; at off_policy_steps=0 that update "
+                          "waits for the batch itself: set off_policy_steps >= 1")
 
 
 def _runtime(cfg: Keys) -> None:

@@ -493,6 +493,16 @@ class Disaggregated:
         512, "Object store of the local Ray cluster (MiB): a published copy of the weights per "
         "version in flight, and the rollout batches.",
         check=at_least(75, "(Ray's smallest object store is 75 MB)"), runtime_only=True)
+    in_flight_weight_updates: bool = key(
+        False, "A rollout host takes the next version in the middle of a batch (NeMo-RL's "
+        "key): after in_flight_update_iterations decode iterations with the version the batch "
+        "was issued with, it waits for the update then running to publish, loads it, and its "
+        "sequences in progress go on with it. Every token records its version. Needs "
+        "off_policy_steps >= 1.")
+    in_flight_update_iterations: int = key(
+        16, "With in_flight_weight_updates: the decode loop iterations of each batch before "
+        "its rollout host loads the next version (a fixed point, so a resumed run decodes as "
+        "an uninterrupted one).", check=at_least(1))
     rl_ray_address: str = key(
         "", "Ray cluster the driver joins (\"auto\", \"HEAD_IP:6379\", \"ray://HEAD_IP:10001\"): "
         "one actor per node that offers the mcjax_host resource. Empty: RAY_ADDRESS when set, "

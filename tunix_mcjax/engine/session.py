@@ -274,6 +274,17 @@ class DecodeSession:
         self._groups = [g for g in self._groups if g not in whole]
         return finished
 
+    def lengths(self) -> dict[int, int]:
+        """Tokens sampled so far by each request joined and not yet returned, by request id
+        (read from the loop state on the device)."""
+        out: dict[int, int] = {}
+        for replica in {g.replica for g in self._groups}:
+            rep = self._replicas[replica]
+            lens = np.asarray(jax.device_get(rep.state.requests.lengths))
+            out.update({int(rep.slot_request[s]): int(lens[s])
+                        for s in np.flatnonzero(rep.slot_request >= 0)})
+        return out
+
     @property
     def unfinished(self) -> int:
         """Requests joined and not yet returned."""

@@ -19,12 +19,14 @@ from tunix_mcjax.runtime.recovery import Preempted
 class InFlight:
     """A batch the rollouts are making (or made, not yet trained on): its step, {rollout:
     (batch ref, record ref)}, and the version and weights it is generated with (weights None:
-    restored from a checkpoint, so nothing can lose it)."""
+    restored from a checkpoint, so nothing can lose it); with in-flight updates, `update`:
+    [the trainer leader's result whose version the batch takes after its first slice]."""
 
     step: int
     calls: dict[int, tuple]
     version: int
     weights: list | None
+    update: list | None = None
 
 
 @dataclasses.dataclass
@@ -155,17 +157,19 @@ class Cluster:
                         "publish", compiles=True)
         return out["trainer-0"]
 
-    def generate(self, step: int, version: int, weights: list, only: int | None = None
-                 ) -> dict[int, tuple]:
-        """{rollout: (batch ref, record ref)} of step `step` with policy `version`, from every
-        rollout actor (`only` None) or one."""
-        return {r: a.generate.options(num_returns=2).remote(step, version, weights)
+    def generate(self, step: int, version: int, weights: list, only: int | None = None,
+                 update: list | None = None) -> dict[int, tuple]:
+        """{rollout: (batch ref, record ref)} of step `step` with policy `version` (and, after
+        the first slice, `update`'s: `InFlight`), from every rollout actor (`only` None) or
+        one."""
+        return {r: a.generate.options(num_returns=2).remote(step, version, weights, update)
                 for r, a in enumerate(self.rollouts) if only in (None, r)}
 
-    def enqueue(self, step: int, version: int, weights: list) -> None:
-        """Puts batch `step`, generated with `version`, in flight."""
-        self.queue.append(InFlight(step, self.generate(step, version, weights), version,
-                                   weights))
+    def enqueue(self, step: int, version: int, weights: list, update: list | None = None
+                ) -> None:
+        """Puts batch `step`, generated with `version` (then `update`'s), in flight."""
+        self.queue.append(InFlight(step, self.generate(step, version, weights, update=update),
+                                   version, weights, update))
 
     def next_batch(self, step: int) -> tuple[list, list[dict]]:
         """(batch refs, records) of step `step`, the oldest batch in flight, taken off the
@@ -210,7 +214,7 @@ class Cluster:
         for lost in [batch, *later]:
             if lost.weights is not None:  # a restored batch is the driver's own object
                 lost.calls.update(self.generate(lost.step, lost.version, lost.weights,
-                                                only=index))
+                                                only=index, update=lost.update))
 
     def eval_sums(self, policy: tuple[int, list], steps_done: int, compiles: bool
                   ) -> np.ndarray:
@@ -234,5 +238,18 @@ class Cluster:
         out = self.wait(calls, f"train step {step}", compiles=step <= self.first_step + 1)
         ranks = range(len(self.trainers))
         versions = [v for r in ranks for v in out[f"trainer-{r}"]["batch_versions"]]
-        return {**out["trainer-0"], "batch_versions": versions,
+        tokens = in_flight_totals([out[f"trainer-{r}"] for r in ranks])
+        return {**out["trainer-0"], **tokens, "batch_versions": versions,
                 "trainer_nodes": [out[f"trainer-{r}"]["node_id"] for r in ranks]}
+
+
+def in_flight_totals(results: list[dict]) -> dict:
+    """Every trainer's `in_flight.token_staleness` counts summed (none without in-flight
+    updates)."""
+    if "token_staleness" not in results[0]:
+        return {}
+    width = max(len(r["token_staleness"]) for r in results)
+    counts = sum(np.pad(r["token_staleness"], (0, width - len(r["token_staleness"])))
+                 for r in results)
+    return {"token_staleness": counts.tolist(),
+            "mixed_completions": sum(r["mixed_completions"] for r in results)}

@@ -15,7 +15,9 @@ so batch t is generated with v_max(t-k, 0) and applied to v_t: staleness is exac
 step k on (batches 0 .. k-1, the pipeline fill, are 0 .. k-1 stale). k = 1 is the paper's
 schedule; k = 0 is on-policy, with no overlap: batch t is generated with v_t once update t-1 is
 published. Each batch carries its version and the trainer weights it by the engine's behaviour
-logprobs (off-policy loss), whatever the lag. The step period is Eq. 4's max(rollout + weight
+logprobs (off-policy loss), whatever the lag. With in_flight_weight_updates, batch t+k
+takes v_t+1 after its first slice (`runtime.in_flight`): its rollout hosts wait for update t,
+and each token records its version. The step period is Eq. 4's max(rollout + weight
 load, train + publish). Evaluation keeps the colocated schedule (`evaluation.EvalSchedule`):
 the rollout actors score their shares with the last published version, after the batches they
 are generating, and the driver sums them.
@@ -49,7 +51,8 @@ from tunix_mcjax.runtime.recovery import NonFinitePolicy
 # What a step record repeats from the trainer leader's result.
 TRAIN_FIELDS = ("trained_on", "version", "batch_versions", "trainer_processes", "puts",
                 "publish_bytes", "rows_per_device", "loss", "grad_norm", "kl", "kl_loss",
-                "finite", "trainer_nodes", *metrics.MISMATCH_FIELDS)
+                "finite", "trainer_nodes", "token_staleness", "mixed_completions",
+                *metrics.MISMATCH_FIELDS)
 
 
 def training_steps(cfg: Config, cluster: Cluster, stop: threading.Event | None = None,
@@ -93,7 +96,8 @@ def schedule(cfg: Config, cluster: Cluster, nonfinite: NonFinitePolicy
         batches, rollouts = cluster.next_batch(step)
         training = cluster.train(step, batches)  # update t: v_t -> v_t+1 ...
         if 0 < k and step + k < cfg.steps:  # ... while the rollouts make batch t+k with v_t
-            cluster.enqueue(step + k, version, weights)
+            update = [training["trainer-0"]] if cfg.in_flight_weight_updates else None
+            cluster.enqueue(step + k, version, weights, update)  # (then v_t+1, in flight)
         train = cluster.finish_train(step, training)
         nonfinite.applied(step, train, cluster.last_checkpoint)
         version, weights = train["version"], train["weights"]
@@ -115,6 +119,7 @@ def step_record(step: int, rollouts: list[dict], train: dict, restarts: int,
         staleness=[train["trained_on"] - v for v in train["batch_versions"]],
         weights_objects=[r["weights_object"] for r in rollouts],
         weight_load_s=max(r["load_s"] for r in rollouts), rollout_restarts=restarts,
+        in_flight_wait_s=max(r.get("in_flight_wait_s", 0.0) for r in rollouts),
         rollout_nodes=[r["node_id"] for r in rollouts],
         nonfinite_steps=nonfinite_steps,
         gc_frozen=train["gc_frozen"] and all(r["gc_frozen"] for r in rollouts),

@@ -30,7 +30,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from tunix_mcjax import metrics, models, topology
 from tunix_mcjax.config import Config
 from tunix_mcjax.publish import nest, tree_bytes
-from tunix_mcjax.runtime import components, evaluation, phases, recovery
+from tunix_mcjax.runtime import components, evaluation, in_flight, phases, recovery
 from tunix_mcjax.runtime.loop import freeze_gc
 from tunix_mcjax.runtime.records import HostRecord, Rollout
 from tunix_mcjax.runtime.stepmath import LengthHistory
@@ -63,7 +63,9 @@ class RolloutWorker:
         self.engine = phases.default_engine(
             cfg, models.model_config(cfg, len(tokenizer), for_sampling=True),
             list(jax.local_devices()), prompts.pad_id, prompts.eos_ids)
-        self.phases = phases.RolloutPhases(cfg, prompts, self.engine, num_rollouts, index)
+        kind = in_flight.InFlightPhases if cfg.in_flight_weight_updates else \
+            phases.RolloutPhases
+        self.phases = kind(cfg, prompts, self.engine, num_rollouts, index)
         self.history = LengthHistory(len(prompts.tokens))  # stays empty: O3x is colocated-only
         self.evaluator = evaluation.task_evaluator(cfg, tokenizer, index, num_rollouts)
         self.version, self.weights_object, self.has_base = -1, "", False
@@ -92,14 +94,19 @@ class RolloutWorker:
             for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
                 self.engine.load_weights(nest(path, leaf))
 
-    def generate(self, step: int, version: int, weights: list[ray.ObjectRef]
-                 ) -> tuple[Rollout, dict]:
+    def generate(self, step: int, version: int, weights: list[ray.ObjectRef],
+                 update: list[ray.ObjectRef] | None = None) -> tuple[Rollout, dict]:
         """(rollout for the trainer, host record) of this host's share of step `step`,
         generated with policy `version` (`weights`: its object, in a list so that Ray does not
-        fetch it for a version already loaded)."""
+        fetch it for a version already loaded). With in-flight updates, `update` is [the
+        trainer leader's result of the update running when the batch was issued]: the version
+        it publishes is loaded after the batch's first slice (`in_flight`)."""
         timer, programs = metrics.PhaseTimer(), self.engine.compile_count
         with timer.phase("load"):
             self._load(version, weights)
+        waited = [0.0]
+        if self.cfg.in_flight_weight_updates:
+            self.phases.begin(version, update and (lambda: self._take(update[0], waited)))
         rollout = self.phases.rollout(step, version, self.history, timer)
         if not self.warm and self.cfg.rl_gc_freeze_after_warmup:
             freeze_gc()
@@ -109,7 +116,18 @@ class RolloutWorker:
                                train_compiled=False).to_json()
         return rollout, {**record, "load_s": timer.seconds["load"],
                          "weights_object": self.weights_object, "node_id": node_id(),
-                         "gc_frozen": gc.get_freeze_count() > 0}
+                         "gc_frozen": gc.get_freeze_count() > 0, "in_flight_wait_s": waited[0]}
+
+    def _take(self, update: ray.ObjectRef, waited: list[float]) -> int:
+        """Waits for the trainers' update `update`, loads the version it published (the last
+        one when it skipped) and returns it; the seconds it took go to `waited` (the update
+        may be the trainers' first, which compiles)."""
+        t0 = time.perf_counter()
+        published = ray.get(update, timeout=max(self.cfg.collective_timeout_s,
+                                                self.cfg.compile_timeout_s))
+        self._load(published["version"], published["weights"])
+        waited[0] = time.perf_counter() - t0
+        return self.version
 
     def evaluate(self, steps_done: int, version: int, weights: list[ray.ObjectRef]
                  ) -> np.ndarray:
@@ -226,13 +244,15 @@ class TrainerWorker:
         """Update `step` (version v -> v+1) on this trainer's rollouts, then publish v+1; a
         skipped update keeps v and publishes nothing."""
         timer, local_devices = metrics.PhaseTimer(), len(self.topo.local_devices)
+        trained_on = self.version
+        tokens = in_flight.token_staleness(list(rollouts), trained_on,
+                                           self.cfg.off_policy_steps)
         with timer.phase("pack"):
             local, everyone = phases.pack(self.cfg, [s for r in rollouts for s in r.sequences()],
                                           self.pad_id, local_devices, self.watchdog)
         k = everyone.rows_per_device(local_devices)
         with timer.phase("train"):
             result = self.train_phase(local, k)
-        trained_on = self.version
         if result.applied:
             self.version += 1
             published = self.publish()
@@ -240,7 +260,8 @@ class TrainerWorker:
             published = {**self.published, "publish_s": 0.0}
         if step == self.start_step and self.cfg.rl_gc_freeze_after_warmup:
             freeze_gc()
-        return {**result.metrics, **published, "trained_on": trained_on, "node_id": node_id(),
+        return {**result.metrics, **published, **tokens, "trained_on": trained_on,
+                "node_id": node_id(),
                 "batch_versions": [r.policy_version for r in rollouts],
                 "trainer_processes": self.topo.num_hosts, "rows_per_device": k,
                 "pack_s": timer.seconds["pack"], "train_s": timer.seconds["train"],

@@ -42,6 +42,8 @@ class Rollout:
     # Agentic rollouts: each completion's model mask (0 on tool tokens) and the turn metrics.
     masks: tuple[np.ndarray, ...] | None = None
     turns: dict[str, float] | None = None
+    # In-flight weight updates (DA): each completion's per-token policy version, int32 [n].
+    token_versions: tuple[np.ndarray, ...] | None = None
 
     @property
     def step(self) -> int:
