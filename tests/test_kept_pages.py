@@ -10,8 +10,13 @@ import pytest
 
 from tests.test_engine import PAD, VOCAB, params_of
 from tunix_mcjax import config, models
+from tunix_mcjax.agentic.conversation import Conversation
+from tunix_mcjax.agentic.demo import lookup_conversation
+from tunix_mcjax.agentic.loop import TurnLimits, run_turns_counted
+from tunix_mcjax.agentic.parsers import PLAIN, ChatParser
 from tunix_mcjax.engine.base import SamplingParams
 from tunix_mcjax.engine.jax_engine import JaxEngine
+from tunix_mcjax.tokenizer import char_tokenizer
 
 EOS = 1
 MAX_NEW = 8
@@ -119,3 +124,31 @@ def test_release_frees_a_kept_conversation_and_bad_continuations_are_refused(eng
                          continue_from=[ids[0]])
         with pytest.raises(ValueError, match="no kept pages to release"):
             session.release(ids[0])
+
+
+def demo_conversations(parser):
+    """The tool demo's conversations (`agentic.demo`): a turn that is not one digit calls the
+    lookup tool, whose digit comes back as an observation; two turns at most."""
+    return [Conversation.start(*lookup_conversation(q, {}, seed=s, system_prompt=""), parser)
+            for q in ("a?", "bc?", "d?") for s in (1, 2)]
+
+
+def test_the_agentic_loop_with_kept_pages_gives_the_same_trajectories(engine):
+    parser = ChatParser(char_tokenizer(), PLAIN)
+    limits = TurnLimits(max_total_tokens=PROMPT_LEN, max_turn_tokens=3, tool_timeout_s=10.0,
+                        max_concurrency=8)
+    runs = {}
+    for keep in (True, False):
+        convs = demo_conversations(parser)
+        runs[keep] = convs, run_turns_counted(engine, convs, parser, SAMPLE, 11, limits,
+                                              keep_pages=keep)
+    (kept, kept_run), (full, full_run) = runs[True], runs[False]
+    assert kept_run.rounds == full_run.rounds == 2 and any(c.turns == 2 for c in kept)
+    for a, b in zip(kept, full, strict=True):
+        assert (a.tokens, a.mask, a.status, a.reward) == (b.tokens, b.mask, b.status, b.reward)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
+    # Each second turn prefills its observation and the first turn's last token, not the whole
+    # context (generate shares each prompt's prefill among its two equal prompts).
+    assert kept_run.prefill_tokens_full == full_run.prefill_tokens_full
+    assert kept_run.prefill_tokens_saved > 0
+    assert kept_run.prefill_tokens < full_run.prefill_tokens
