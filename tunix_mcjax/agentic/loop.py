@@ -182,6 +182,9 @@ def _open_decoder(engine: Engine, sampling: SamplingParams,
             max_prompts=len(conversations))
     except NotImplementedError:  # vllm, or a lockstep / wave-batched loop
         return _Generate(engine)
+    if session.shape.routing is not None:  # routing replay needs every token's experts
+        session.close()
+        return _Generate(engine)
     return _KeptPages(session)
 
 

@@ -127,6 +127,10 @@ class DecodeSession:
         the new tokens are prefilled (all of them if the pages were evicted meanwhile).
         Returns their request ids (`step`'s keys). A join that does not fit changes nothing."""
         self._check_open()
+        if (keep or continue_from) and self.shape.routing is not None:
+            raise NotImplementedError(
+                "kept pages with recorded expert routing: a continued prompt's routing would "
+                "lack its kept tokens' experts; join without keep/continue_from")
         prompts = [np.asarray(p, dtype=np.int32).reshape(-1) for p in prompt_token_ids]
         self.engine._validate(prompts, self.sampling)
         self._check_join(prompts, group_size)
