@@ -1,6 +1,12 @@
 """The turn loop on one host's engine: every running conversation's next model turn is decoded
-in one `generate` call (the engine batches them continuously), then every environment steps
-at once, each on its own thread under a timeout.
+in one round (the engine batches them continuously), then every environment steps at once,
+each on its own thread under a timeout.
+
+On an engine with sessions (jax, maxtext: `engine.session`) the rounds run on one session that
+keeps each conversation's pages between turns (`join(keep=True, continue_from=...)`): a turn
+prefills only the tokens added since the last (the tools', and the last sampled token), unless
+page pressure evicted the conversation, which is then prefilled in full; the samples are those
+of a full re-prefill. Other engines (vllm) take a `generate` per round.
 
 A conversation waiting on its tool holds no decode slot: it is out of the engine until the
 round's tools have answered (or timed out). Rounds are deterministic in (seed, round), so a
@@ -29,7 +35,7 @@ import numpy as np
 
 from tunix_mcjax.agentic.conversation import Conversation
 from tunix_mcjax.agentic.parsers import ChatParser
-from tunix_mcjax.engine import Engine, SamplingParams
+from tunix_mcjax.engine import Completion, Engine, SamplingParams
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,19 +60,135 @@ class _Step:
             self.error = e
 
 
+@dataclasses.dataclass(frozen=True)
+class TurnRun:
+    """What a host's turn loop took: engine rounds, and the prompt tokens prefilled against a
+    full re-prefill of every turn's context (the difference: what kept pages saved)."""
+
+    rounds: int
+    prefill_tokens: int
+    prefill_tokens_full: int
+
+    @property
+    def prefill_tokens_saved(self) -> int:
+        return self.prefill_tokens_full - self.prefill_tokens
+
+
 def run_turns(engine: Engine, conversations: Sequence[Conversation], parser: ChatParser,
               sampling: SamplingParams, seed: int, limits: TurnLimits) -> int:
     """Runs every conversation to its end; returns the number of rounds."""
+    return run_turns_counted(engine, conversations, parser, sampling, seed, limits).rounds
+
+
+def run_turns_counted(engine: Engine, conversations: Sequence[Conversation], parser: ChatParser,
+                      sampling: SamplingParams, seed: int, limits: TurnLimits,
+                      keep_pages: bool = True) -> TurnRun:
+    """`run_turns`, counting prefill; `keep_pages=False` decodes a `generate` per round on
+    any engine."""
+    decoder = _open_decoder(engine, sampling, conversations, limits, keep_pages)
     rounds = 0
-    while running := [c for c in conversations if c.running]:
-        for start in range(0, len(running), limits.max_concurrency):
-            chunk = running[start:start + limits.max_concurrency]
-            _one_round(engine, chunk, parser, sampling, seed * 1_000_003 + rounds, limits)
-            rounds += 1
-    return rounds
+    try:
+        while running := [c for c in conversations if c.running]:
+            for start in range(0, len(running), limits.max_concurrency):
+                chunk = running[start:start + limits.max_concurrency]
+                _one_round(decoder, chunk, parser, sampling, seed * 1_000_003 + rounds, limits)
+                decoder.release_ended(chunk)
+                rounds += 1
+    finally:
+        decoder.close()
+    return TurnRun(rounds, decoder.prefill_tokens(), decoder.full)
 
 
-def _one_round(engine: Engine, chunk: list[Conversation], parser: ChatParser,
+class _Generate:
+    """A `generate` per round: every context prefilled in full."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.full, self.counted = engine, 0, 0
+
+    def decode_round(self, chunk: list[Conversation], sampling: SamplingParams,
+                     seed: int) -> list[Completion]:
+        contexts = [c.context() for c in chunk]
+        self.full += sum(map(len, contexts))
+        out = self.engine.generate(contexts, sampling, seed)
+        stats = getattr(self.engine, "last_stats", None) or []
+        self.counted += sum(s.get("prefill_tokens", 0) for s in stats)
+        return out
+
+    def prefill_tokens(self) -> int:
+        """The engine's counters where it has them (jax, maxtext), else every context."""
+        return self.counted or self.full
+
+    def release_ended(self, chunk: list[Conversation]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class _KeptPages:
+    """The rounds on one session that keeps each conversation's pages between its turns."""
+
+    def __init__(self, session: Any):
+        self.session, self.full = session, 0
+        self.kept: dict[int, int] = {}  # id(conversation) -> its last request, kept
+
+    def decode_round(self, chunk: list[Conversation], sampling: SamplingParams,
+                     seed: int) -> list[Completion]:
+        """The chunk's turns, each cut at `sampling.max_new_tokens` as `generate` would cut
+        it (the session decodes up to the turn cap; the keys are the same)."""
+        contexts = [c.context() for c in chunk]
+        self.full += sum(map(len, contexts))
+        ids = self.session.join(contexts, seed, keep=True,
+                                continue_from=[self.kept.pop(id(c), None) for c in chunk])
+        done: dict[int, Completion] = {}
+        while self.session.unfinished:
+            done.update(self.session.step())
+        kept = set(self.session.kept)
+        for c, request_id in zip(chunk, ids, strict=True):
+            if request_id in kept:
+                self.kept[id(c)] = request_id
+        return [_cut(done[i], sampling.max_new_tokens) for i in ids]
+
+    def prefill_tokens(self) -> int:
+        return sum(stats.get("prefill_tokens", 0) for stats in self.session.last_stats)
+
+    def release_ended(self, chunk: list[Conversation]) -> None:
+        for c in chunk:
+            if not c.running and id(c) in self.kept:
+                self.session.release(self.kept.pop(id(c)))
+
+    def close(self) -> None:
+        self.session.close()
+
+
+def _cut(completion: Completion, max_new: int) -> Completion:
+    if len(completion.tokens) <= max_new:
+        return completion
+    return dataclasses.replace(completion, tokens=completion.tokens[:max_new],
+                               logprobs=completion.logprobs[:max_new], finish_reason="length")
+
+
+def _open_decoder(engine: Engine, sampling: SamplingParams,
+                  conversations: Sequence[Conversation], limits: TurnLimits,
+                  keep_pages: bool) -> Any:
+    """A session that keeps pages where the engine has one (and `keep_pages`), else
+    `generate` per round."""
+    if not keep_pages or not hasattr(engine, "session") or not conversations:
+        return _Generate(engine)
+    try:
+        session = engine.session(
+            dataclasses.replace(sampling, max_new_tokens=limits.max_turn_tokens),
+            max_requests=min(len(conversations), limits.max_concurrency),
+            max_prompts=len(conversations))
+    except NotImplementedError:  # vllm, or a lockstep / wave-batched loop
+        return _Generate(engine)
+    if session.shape.routing is not None:  # routing replay needs every token's experts
+        session.close()
+        return _Generate(engine)
+    return _KeptPages(session)
+
+
+def _one_round(decoder: Any, chunk: list[Conversation], parser: ChatParser,
                sampling: SamplingParams, seed: int, limits: TurnLimits) -> None:
     room = {id(c): limits.max_total_tokens - len(c.context()) for c in chunk}
     for c in chunk:
@@ -76,8 +198,8 @@ def _one_round(engine: Engine, chunk: list[Conversation], parser: ChatParser,
     if not ready:
         return
     max_new = min(limits.max_turn_tokens, max(room[id(c)] for c in ready))
-    done = engine.generate([c.context() for c in ready],
-                           dataclasses.replace(sampling, max_new_tokens=max_new), seed)
+    done = decoder.decode_round(ready, dataclasses.replace(sampling, max_new_tokens=max_new),
+                                seed)
     steps: list[tuple[Conversation, _Step, threading.Thread]] = []
     for c, completion in zip(ready, done, strict=True):
         keep = room[id(c)]

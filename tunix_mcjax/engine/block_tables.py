@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from tunix_mcjax.engine import pages as pg
 from tunix_mcjax.engine.loop_state import (
     ABSENT,
+    KEPT,
     Inputs,
     LoopState,
     ProgramShape,
@@ -33,6 +34,7 @@ def evict_prompts(state: LoopState, evict: jax.Array) -> LoopState:
         state.prompts,
         tables=jnp.where(evict[:, None], -1, state.prompts.tables),
         status=jnp.where(evict, ABSENT, state.prompts.status),
+        base=jnp.where(evict, 0, state.prompts.base),
     ))
 
 
@@ -66,11 +68,13 @@ def row_prompts(inp: Inputs, state: LoopState) -> jax.Array:
 
 def vacate_rows(shape: ProgramShape, inp: Inputs, state: LoopState, rows: jax.Array,
                 finished: jax.Array) -> LoopState:
-    """Rows where `rows` leave the batch (finished, or preempted): their own pages go back, and
-    a prompt whose requests all finished gives its pages back too."""
+    """Rows where `rows` leave the batch (finished, or preempted): their own pages go back
+    (a finished row that keeps them gives them to its prompt: `keep_rows`), and a prompt whose
+    requests all finished gives its pages back too, unless kept."""
     prompt = row_prompts(inp, state)
-    owned = private_pages(shape, inp.prompt_lens[prompt]) & rows[:, None]
-    state = release_pages(state, state.rows.tables, owned)
+    kept = keeping(shape, inp, state, rows & finished)
+    owned = private_pages(shape, inp.prompt_lens[prompt]) & rows[:, None] & ~kept[:, None]
+    state = keep_rows(shape, inp, release_pages(state, state.rows.tables, owned), kept)
     request = state.rows.request
     left = add_where(state.prompts.left, prompt, -1, rows & finished)
     state = replace(
@@ -83,7 +87,40 @@ def vacate_rows(shape: ProgramShape, inp: Inputs, state: LoopState, rows: jax.Ar
         prompts=replace(state.prompts, rows=add_where(state.prompts.rows, prompt, -1, rows),
                         left=left),
     )
-    return evict_prompts(state, (left == 0) & (state.prompts.status != ABSENT))
+    status = state.prompts.status
+    return evict_prompts(state, (left == 0) & (status != ABSENT) & (status != KEPT))
+
+
+def keeping(shape: ProgramShape, inp: Inputs, state: LoopState,
+            finished: jax.Array) -> jax.Array:
+    """bool [B]: the finished rows whose request keeps its pages, where a continuation fits:
+    the keys/values of its prompt and completion but the last token (never run) leave at least
+    one token of the prompt bucket free."""
+    request = state.rows.request
+    resident = inp.prompt_lens[row_prompts(inp, state)] + state.requests.lengths[request] - 1
+    return finished & state.requests.keep[request] & (resident < shape.prompt_len)
+
+
+def keep_rows(shape: ProgramShape, inp: Inputs, state: LoopState,
+              kept: jax.Array) -> LoopState:
+    """The rows where `kept` [B] hand their pages to their prompt (its only request's): its
+    table becomes the row's (the full pages it shared, then the row's own), its partly filled
+    last page goes back, and it is KEPT with the row's resident tokens as its `base`."""
+    prompt, width = row_prompts(inp, state), shape.prompt_pages
+    length = inp.prompt_lens[prompt]
+    partial = (length % shape.page_size != 0) & kept
+    column = jnp.minimum(length // shape.page_size, width - 1)
+    old = jnp.take_along_axis(state.prompts.tables[prompt], column[:, None], axis=1)[:, 0]
+    state = release_pages(state, old, partial)
+    past = (jnp.arange(shape.table_pages)[None, :] >= width) & kept[:, None]
+    state = release_pages(state, state.rows.tables, past)
+    resident = length + state.requests.lengths[state.rows.request] - 1
+    prompts = state.prompts
+    return replace(state, prompts=replace(
+        prompts,
+        tables=set_where(prompts.tables, prompt, state.rows.tables[:, :width], kept),
+        status=set_where(prompts.status, prompt, KEPT, kept),
+        base=set_where(prompts.base, prompt, resident, kept)))
 
 
 def note_usage(state: LoopState) -> LoopState:

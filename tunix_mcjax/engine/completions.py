@@ -12,7 +12,7 @@ from tunix_mcjax.engine.stops import stop_reason
 
 # Loop statistics an `Outputs` carries, per program: `JaxEngine.last_stats`.
 STAT_NAMES = ("iterations", "prefill_steps", "preemptions", "shared_pages", "peak_pages",
-              "packed_steps")
+              "packed_steps", "prefill_tokens")
 
 
 def stats_of(out: Any) -> dict[str, int]:

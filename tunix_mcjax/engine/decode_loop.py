@@ -44,7 +44,9 @@ import jax
 import jax.numpy as jnp
 
 from tunix_mcjax.engine import pages as pg
+from tunix_mcjax.engine.block_tables import evict_prompts
 from tunix_mcjax.engine.loop_state import (
+    KEPT,
     DecodeModel,
     Inputs,
     LoopState,
@@ -80,16 +82,19 @@ def initial_state(shape: ProgramShape, inp: Inputs, pool: Any, vocab: int) -> Lo
     prompts = Prompts(
         tables=jnp.full((u, shape.prompt_pages), -1, jnp.int32), status=zeros_u,
         next_chunk=zeros_u, rows=zeros_u, left=left, readers=zeros_u,
-        logits=jnp.zeros((u, vocab), jnp.float32), routing=unrouted(u, shape.prompt_len))
+        logits=jnp.zeros((u, vocab), jnp.float32), base=zeros_u,
+        routing=unrouted(u, shape.prompt_len))
     rows = Rows(active=jnp.zeros((b,), bool), request=zeros_b, cursor=zeros_b, token=zeros_b,
                 tables=jnp.full((b, shape.table_pages), -1, jnp.int32), order=zeros_b,
                 admissions=zero)
     requests = Requests(running=jnp.zeros((n,), bool), done=~real,
                         tokens=jnp.zeros((n, shape.max_new), jnp.int32),
                         logprobs=jnp.zeros((n, shape.max_new), jnp.float32),
-                        lengths=jnp.zeros((n,), jnp.int32), routing=unrouted(n, shape.max_new))
+                        lengths=jnp.zeros((n,), jnp.int32), keep=jnp.zeros((n,), bool),
+                        routing=unrouted(n, shape.max_new))
     stats = Stats(iterations=zero, prefill_steps=zero, preemptions=zero, shared_pages=zero,
-                  peak_pages=zero, packed_steps=zero, stalled=jnp.bool_(False))
+                  peak_pages=zero, packed_steps=zero, stalled=jnp.bool_(False),
+                  prefill_tokens=zero)
     return LoopState(pool=pool, free=pg.full_stack(shape.num_pages), prompts=prompts, rows=rows,
                      requests=requests, stats=stats)
 
@@ -142,6 +147,7 @@ def outputs_of(state: LoopState, inp: Inputs) -> Outputs:
         iterations=stats.iterations, prefill_steps=stats.prefill_steps,
         preemptions=stats.preemptions, shared_pages=stats.shared_pages,
         peak_pages=stats.peak_pages, packed_steps=stats.packed_steps,
+        prefill_tokens=stats.prefill_tokens,
         stalled=stats.stalled & ~jnp.all(requests.done))
 
 
@@ -203,11 +209,19 @@ def build_advance(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
     return advance
 
 
-def join(state: LoopState, inp: Inputs, joined: jax.Array) -> LoopState:
+def join(state: LoopState, inp: Inputs, joined: jax.Array, keep: jax.Array) -> LoopState:
     """`state` with the requests where `joined` [N] waiting afresh on their prompts (`inp`'s
-    `request_prompts`): a slot that held a finished request starts over."""
+    `request_prompts`): a slot that held a finished request starts over. Those where `keep`
+    [N] leave their pages to their prompt slot when done (`block_tables.keep_rows`); a prompt
+    slot still KEPT continues from its pages (`scheduler.start_prefills`)."""
     requests, prompt = state.requests, jnp.maximum(inp.request_prompts, 0)
     return replace(state, requests=replace(
         requests, done=requests.done & ~joined, running=requests.running & ~joined,
-        lengths=jnp.where(joined, 0, requests.lengths)), prompts=replace(
+        lengths=jnp.where(joined, 0, requests.lengths),
+        keep=jnp.where(joined, keep, requests.keep)), prompts=replace(
         state.prompts, left=add_where(state.prompts.left, prompt, 1, joined)))
+
+
+def release(state: LoopState, released: jax.Array) -> LoopState:
+    """`state` with the KEPT prompt slots where `released` [U] evicted (their pages free)."""
+    return evict_prompts(state, released & (state.prompts.status == KEPT))

@@ -16,6 +16,9 @@ from tunix_mcjax.engine import pages as pg
 from tunix_mcjax.engine.qwen3_forward import PagedRows
 
 ABSENT, PREFILLING, RESIDENT = 0, 1, 2  # a prompt's pages
+# A finished conversation's pages kept in its prompt slot (`Prompts.base` tokens resident) for
+# a request that continues it (`engine.session`'s `keep`); evicted like an idle prompt.
+KEPT = 3
 
 MIN_PACKED_SLOTS = 32  # fewer slots decode at their own count: one size, no packing
 PACKED_SHARE = 8  # the packed row count: an eighth of the slots
@@ -92,6 +95,7 @@ class Outputs:
     peak_pages: jax.Array  # int32: most pages in use at once
     packed_steps: jax.Array  # int32: decode steps run at fewer rows than the slots
     stalled: jax.Array  # bool: the loop ended with requests left (the pool cannot hold one)
+    prefill_tokens: jax.Array  # int32: prompt tokens run through the model by prefill chunks
     # With `ProgramShape.routing` (else None): each request's prompt length and the experts
     # its prompt tokens and its completion tokens went to, int32 [N, T, layers, k], -1 where
     # none ran (a completion's last token never runs through the model).
@@ -111,6 +115,9 @@ class Prompts:
     left: jax.Array  # int32 [U]: its requests not finished
     readers: jax.Array  # int32 [U]: rows admitted on its pages since its prefill
     logits: jax.Array  # float32 [U, V]: logits after the prompt's last token
+    # int32 [U]: tokens of the prompt whose keys/values its pages held before its prefill (a
+    # kept conversation's, status KEPT); its prefill starts there. 0: none.
+    base: jax.Array
     routing: jax.Array | None = None  # int32 [U, prompt_len, layers, k] (`Outputs`)
 
 
@@ -136,6 +143,7 @@ class Requests:
     tokens: jax.Array  # int32 [N, max_new]
     logprobs: jax.Array  # float32 [N, max_new]
     lengths: jax.Array  # int32 [N]
+    keep: jax.Array  # bool [N]: when done, its pages stay as its prompt's (status KEPT)
     routing: jax.Array | None = None  # int32 [N, max_new, layers, k] (`Outputs`)
 
     @property
@@ -154,6 +162,7 @@ class Stats:
     peak_pages: jax.Array
     packed_steps: jax.Array
     stalled: jax.Array
+    prefill_tokens: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,13 +49,13 @@ class ModelRunner:
         shape, inp = self.shape, self.inp
 
         def run(state: LoopState) -> LoopState:
-            logits, pool, routing = self.forward(state.pool,
-                                                 prefill_batch(shape, inp, state, chunks))
+            batch = prefill_batch(shape, inp, state, chunks)
+            logits, pool, routing = self.forward(state.pool, batch)
             prompt, valid = chunks.prompt, chunks.valid
-            length, start = inp.prompt_lens[prompt], chunks.chunk * shape.chunk
+            length, start = inp.prompt_lens[prompt], chunk_starts(shape, state, chunks)
             prompts = record_prompt_routing(state.prompts, chunks, start, length, routing)
             next_chunk = add_where(prompts.next_chunk, prompt, 1, valid)
-            num_chunks = (inp.prompt_lens + shape.chunk - 1) // shape.chunk
+            num_chunks = (inp.prompt_lens - prompts.base + shape.chunk - 1) // shape.chunk
             finished = (prompts.status == PREFILLING) & (next_chunk >= num_chunks)
             prompts = replace(
                 prompts,
@@ -64,7 +64,8 @@ class ModelRunner:
                 next_chunk=next_chunk,
                 status=jnp.where(finished, RESIDENT, prompts.status),
             )
-            stats = replace(state.stats, prefill_steps=state.stats.prefill_steps + 1)
+            stats = replace(state.stats, prefill_steps=state.stats.prefill_steps + 1,
+                            prefill_tokens=state.stats.prefill_tokens + jnp.sum(batch.q_lens))
             return replace(state, pool=pool, prompts=prompts, stats=stats)
 
         return jax.lax.cond(jnp.any(chunks.valid), run, lambda s: s, state)
@@ -183,7 +184,7 @@ def prefill_batch(shape: ProgramShape, inp: Inputs, state: LoopState,
     """The model call of one prefill step: a row per chunk, writing into its prompt's pages."""
     prompt, valid = chunks.prompt, chunks.valid
     length = inp.prompt_lens[prompt]
-    start = chunks.chunk * shape.chunk
+    start = chunk_starts(shape, state, chunks)
     positions = start[:, None] + jnp.arange(shape.chunk)[None, :]
     real = valid[:, None] & (positions < length[:, None])
     table = state.prompts.tables[prompt]
@@ -201,6 +202,11 @@ def prefill_batch(shape: ProgramShape, inp: Inputs, state: LoopState,
         q_lens=jnp.where(valid, kv_lens - start, 0),
         logit_cols=jnp.clip(length - 1 - start, 0, shape.chunk - 1),
     )
+
+
+def chunk_starts(shape: ProgramShape, state: LoopState, chunks: PrefillChunks) -> jax.Array:
+    """int32 [prefill_rows]: each chunk's first position (after its prompt's `base`)."""
+    return state.prompts.base[chunks.prompt] + chunks.chunk * shape.chunk
 
 
 def decode_batch(shape: ProgramShape, inp: Inputs, state: LoopState,

@@ -16,6 +16,7 @@ from tunix_mcjax.engine import pages as pg
 from tunix_mcjax.engine.block_tables import evict_prompts, note_usage, row_prompts, vacate_rows
 from tunix_mcjax.engine.loop_state import (
     ABSENT,
+    KEPT,
     PREFILLING,
     RESIDENT,
     Inputs,
@@ -101,32 +102,74 @@ def make_room(shape: ProgramShape, inp: Inputs, state: LoopState,
 
 def start_prefills(shape: ProgramShape, inp: Inputs, state: LoopState) -> LoopState:
     """Pages for the absent prompts of the requests that would take the free rows next, in that
-    order, while the free stack holds each prompt and one page for its first row's copy."""
+    order, while the free stack holds each prompt and one page for its first row's copy. A KEPT
+    prompt (a conversation's pages, `Prompts.base` tokens resident) takes only the pages its
+    new tokens need, and its prefill starts at its base."""
+    state = reclaim_kept(shape, inp, state)
     order = jnp.argsort(waiting_priority(state))[: shape.num_slots]
     free_rows = shape.num_slots - jnp.sum(state.rows.active)
     waiting = jnp.sum(state.requests.waiting)
     candidate = jnp.arange(shape.num_slots) < jnp.minimum(free_rows, waiting)
     prompt = jnp.maximum(inp.request_prompts[order], 0)
     earlier = jnp.tril(prompt[:, None] == prompt[None, :], k=-1) & candidate[None, :]
-    first = candidate & ~jnp.any(earlier, axis=1) & (state.prompts.status[prompt] == ABSENT)
-    num_pages = (inp.prompt_lens[prompt] + shape.page_size - 1) // shape.page_size
-    start = first & (jnp.cumsum(jnp.where(first, num_pages + 1, 0)) <= state.free.count)
-    want = start[:, None] & (jnp.arange(shape.prompt_pages)[None, :] < num_pages[:, None])
-    taken, free = pg.take(state.free, want)
+    status = state.prompts.status[prompt]
+    first = candidate & ~jnp.any(earlier, axis=1) & ((status == ABSENT) | (status == KEPT))
+    want = missing_pages(shape, inp, state, prompt) & first[:, None]
+    start = first & (jnp.cumsum(jnp.where(first, jnp.sum(want, axis=1) + 1, 0))
+                     <= state.free.count)
+    taken, free = pg.take(state.free, want & start[:, None])
     prompts = state.prompts
+    tables = jnp.where(start[:, None] & want, taken, prompts.tables[prompt])
     return note_usage(replace(state, free=free, prompts=replace(
         prompts,
-        tables=set_where(prompts.tables, prompt, taken, start),
+        tables=set_where(prompts.tables, prompt, tables, start),
         status=set_where(prompts.status, prompt, PREFILLING, start),
         next_chunk=set_where(prompts.next_chunk, prompt, 0, start),
         readers=set_where(prompts.readers, prompt, 0, start),
     )))
 
 
+def missing_pages(shape: ProgramShape, inp: Inputs, state: LoopState,
+                  prompt: jax.Array) -> jax.Array:
+    """bool [len(prompt), prompt_pages]: the pages each prompt's tokens need that its table
+    lacks (all of them for an absent prompt)."""
+    num_pages = (inp.prompt_lens[prompt] + shape.page_size - 1) // shape.page_size
+    column = jnp.arange(shape.prompt_pages)[None, :]
+    return (column < num_pages[:, None]) & (state.prompts.tables[prompt] < 0)
+
+
+def reclaim_kept(shape: ProgramShape, inp: Inputs, state: LoopState) -> LoopState:
+    """With no row running, evict idle prompts (kept conversations first) until the first
+    waiting request's prompt can start: kept pages never stall the loop."""
+    first = jnp.argmin(waiting_priority(state))
+    prompt = jnp.maximum(inp.request_prompts[first], 0)
+    index = jnp.arange(shape.num_prompts)
+
+    def short(state: LoopState) -> jax.Array:
+        status = state.prompts.status[prompt]
+        need = jnp.sum(missing_pages(shape, inp, state, prompt[None])) + 1
+        return (~jnp.any(state.rows.active) & state.requests.waiting[first]
+                & ((status == ABSENT) | (status == KEPT)) & (need > state.free.count)
+                & jnp.any(evictable(state)))
+
+    def evictable(state: LoopState) -> jax.Array:
+        prompts = state.prompts
+        return (prompts.status != ABSENT) & (prompts.rows == 0) & (index != prompt)
+
+    def evict_one(state: LoopState) -> LoopState:
+        idle = evictable(state)
+        kept = idle & (state.prompts.status == KEPT) & (state.prompts.left == 0)
+        pick = jnp.argmax(jnp.where(jnp.any(kept), kept, idle))
+        return evict_prompts(state, index == pick)
+
+    return jax.lax.while_loop(short, evict_one, state)
+
+
 def prefill_chunks(shape: ProgramShape, inp: Inputs, state: LoopState) -> PrefillChunks:
-    """The next chunks of the prompts being prefilled, in prompt order."""
+    """The next chunks of the prompts being prefilled, in prompt order (a prompt's chunks
+    start at its `base`)."""
     prompts = state.prompts
-    chunks = (inp.prompt_lens + shape.chunk - 1) // shape.chunk
+    chunks = (inp.prompt_lens - prompts.base + shape.chunk - 1) // shape.chunk
     remaining = jnp.where(prompts.status == PREFILLING, chunks - prompts.next_chunk, 0)
     ends = jnp.cumsum(remaining)
     row = jnp.arange(shape.prefill_rows)

@@ -55,6 +55,17 @@ class _Group:
     replica: int
     slots: tuple[int, ...]
     request_ids: tuple[int, ...]
+    keep: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class _Kept:
+    """A returned request's pages kept in its prompt slot: its prompt and completion, all but
+    the last token's keys/values resident (unless evicted under page pressure)."""
+
+    replica: int
+    prompt_slot: int
+    tokens: np.ndarray
 
 
 class DecodeSession:
@@ -78,6 +89,7 @@ class DecodeSession:
         self._programs = SessionPrograms(engine, self.shape, spec)
         self._replicas = [self._open(i) for i in range(len(engine.meshes))]
         self._groups: list[_Group] = []
+        self._kept: dict[int, _Kept] = {}
         self._next_id = 0
         # Per replica, the loop's counters over the session so far (`JaxEngine.last_stats`).
         self.last_stats: list[dict[str, int]] = [{} for _ in self._replicas]
@@ -104,34 +116,79 @@ class DecodeSession:
     # ----- joining -----
 
     def join(self, prompt_token_ids: Sequence[Sequence[int]], seed: int,
-             group_size: int = 1) -> list[int]:
+             group_size: int = 1, keep: bool = False,
+             continue_from: Sequence[int | None] | None = None) -> list[int]:
         """Add requests, in groups of `group_size` consecutive ones (a GRPO group: returned
         together), sampled as `generate(prompt_token_ids, sampling, seed)` samples them.
+        With `keep`, each request has a prompt slot of its own, and its pages (prompt and
+        completion) stay there when it is returned, until a request continues it or
+        `release`. `continue_from[i]` (a kept request's id, or None) starts request i from
+        that request's pages: its prompt must extend the kept prompt and completion, and only
+        the new tokens are prefilled (all of them if the pages were evicted meanwhile).
         Returns their request ids (`step`'s keys). A join that does not fit changes nothing."""
         self._check_open()
+        if (keep or continue_from) and self.shape.routing is not None:
+            raise NotImplementedError(
+                "kept pages with recorded expert routing: a continued prompt's routing would "
+                "lack its kept tokens' experts; join without keep/continue_from")
         prompts = [np.asarray(p, dtype=np.int32).reshape(-1) for p in prompt_token_ids]
         self.engine._validate(prompts, self.sampling)
         self._check_join(prompts, group_size)
+        pinned = self._continuations(prompts, continue_from, group_size)
         keys = np.concatenate(generate_keys(seed, len(prompts), self.engine.num_replicas))
         groups = [range(i, i + group_size) for i in range(0, len(prompts), group_size)]
-        placed = self._place([[prompts[i] for i in g] for g in groups])
+        placed = self._place([[prompts[i] for i in g] for g in groups],
+                             [pinned[g[0]] for g in groups], keep)
+        for kept_id in (c for c in continue_from or () if c is not None):
+            del self._kept[kept_id]
         joined = {r: np.zeros((self.shape.num_requests,), bool) for r in set(placed[0])}
         ids = []
         for group, replica, (slots, prompt_slots) in zip(groups, *placed, strict=True):
             rep, first = self._replicas[replica], self._next_id
             for i, slot, prompt_slot in zip(group, slots, prompt_slots, strict=True):
-                self._seat(rep, slot, prompt_slot, prompts[i], keys[i], first + i - group[0])
+                self._seat(rep, slot, prompt_slot, prompts[i], keys[i], first + i - group[0],
+                           pinned[i] is not None)
             joined[replica][slots] = True
             self._groups.append(_Group(replica, tuple(slots), tuple(
-                range(first, first + len(group)))))
+                range(first, first + len(group))), keep))
             ids += range(first, first + len(group))
             self._next_id += len(group)
         for replica, mask in joined.items():
             rep = self._replicas[replica]
             rep.inputs = self._put(rep.mesh_index, rep.host)
-            rep.state = self._programs.join(rep.mesh_index, rep.state, rep.inputs, mask)
+            rep.state = self._programs.join(rep.mesh_index, rep.state, rep.inputs, mask,
+                                            mask & keep)
             rep.done &= ~mask
         return ids
+
+    def _continuations(self, prompts: list[np.ndarray], continue_from: Any,
+                       group_size: int) -> list[tuple[int, int] | None]:
+        """Each request's (replica, prompt slot) to continue on, or None; errors name a
+        request that was not kept or a prompt that does not extend its conversation."""
+        if continue_from is None:
+            return [None] * len(prompts)
+        if len(continue_from) != len(prompts):
+            raise ValueError(f"continue_from has {len(continue_from)} entries for "
+                             f"{len(prompts)} prompts: give one (a request id or None) a prompt")
+        if group_size != 1 and any(c is not None for c in continue_from):
+            raise ValueError("continue_from needs group_size=1: a kept conversation is one "
+                             "request's")
+        pinned: list[tuple[int, int] | None] = []
+        for prompt, kept_id in zip(prompts, continue_from, strict=True):
+            kept = None if kept_id is None else self._kept.get(kept_id)
+            if kept_id is not None and kept is None:
+                raise ValueError(f"request {kept_id} has no kept pages: join it with keep=True, "
+                                 "and continue it once, after step returned it")
+            if kept is not None:
+                resident = len(kept.tokens) - 1
+                if len(prompt) <= resident or not np.array_equal(prompt[:resident],
+                                                                 kept.tokens[:resident]):
+                    raise ValueError(f"the prompt continuing request {kept_id} does not extend "
+                                     "its prompt and completion with new tokens")
+            pinned.append(None if kept is None else (kept.replica, kept.prompt_slot))
+        if len({p for p in pinned if p is not None}) < sum(p is not None for p in pinned):
+            raise ValueError("continue_from names a kept request twice")
+        return pinned
 
     def _check_join(self, prompts: list[np.ndarray], group_size: int) -> None:
         if group_size < 1 or len(prompts) % group_size:
@@ -143,31 +200,33 @@ class DecodeSession:
                              f"max_prompt_length={self.shape.prompt_len}: open the session "
                              "with a larger max_prompt_length")
 
-    def _place(self, groups: list[list[np.ndarray]]) -> tuple[list[int], list[tuple]]:
-        """Each group's replica (the one with the most free request slots that holds it) and
-        its request and prompt slots, or an error naming the capacity key it overflows."""
+    def _place(self, groups: list[list[np.ndarray]], pinned: list[tuple[int, int] | None],
+               keep: bool) -> tuple[list[int], list[tuple]]:
+        """Each group's replica (the one with the most free request slots that holds it, or
+        the one its kept conversation is on) and its request and prompt slots, or an error
+        naming the capacity key it overflows."""
         free_requests = [list(np.flatnonzero(r.slot_request < 0)) for r in self._replicas]
         free_prompts = [list(np.flatnonzero(r.prompt_users == 0)) for r in self._replicas]
         replicas, slots = [], []
-        for group in groups:
-            prompt_of = self._prompt_slots(group)
+        for group, pin in zip(groups, pinned, strict=True):
+            prompt_of = [0] if pin else self._prompt_slots(group, keep)
+            need = 0 if pin else max(prompt_of) + 1
             fits = [r for r in range(len(self._replicas)) if len(free_requests[r]) >= len(group)
-                    and len(free_prompts[r]) > max(prompt_of)]
+                    and len(free_prompts[r]) >= need and (pin is None or pin[0] == r)]
             if not fits:
-                raise ValueError(self._overflow(len(group), max(prompt_of) + 1,
-                                                free_requests, free_prompts))
+                raise ValueError(self._overflow(len(group), need, free_requests, free_prompts))
             r = max(fits, key=lambda r: len(free_requests[r]))
-            taken = [free_prompts[r][k] for k in range(max(prompt_of) + 1)]
-            del free_prompts[r][:max(prompt_of) + 1]
+            taken = [pin[1]] if pin else free_prompts[r][:need]
+            del free_prompts[r][:need]
             replicas.append(r)
             slots.append(([free_requests[r].pop(0) for _ in group],
                           [taken[k] for k in prompt_of]))
         return replicas, slots
 
-    def _prompt_slots(self, group: list[np.ndarray]) -> list[int]:
+    def _prompt_slots(self, group: list[np.ndarray], keep: bool) -> list[int]:
         """Each request's prompt slot among the group's: equal prompts share one (with prefix
-        caching), at most the shape's `group_size` requests a slot."""
-        if not self.engine.options.prefix_caching:
+        caching, and not kept), at most the shape's `group_size` requests a slot."""
+        if keep or not self.engine.options.prefix_caching:
             return list(range(len(group)))
         slot_of: dict[bytes, int] = {}
         count: dict[int, int] = {}
@@ -193,13 +252,14 @@ class DecodeSession:
                 f"or open the session with a larger {key}")
 
     def _seat(self, rep: _Replica, slot: int, prompt_slot: int, prompt: np.ndarray,
-              key: np.ndarray, request_id: int) -> None:
+              key: np.ndarray, request_id: int, continues: bool) -> None:
+        """A continuing request takes over its kept conversation's prompt slot (and use)."""
         host = rep.host
-        if rep.prompt_users[prompt_slot] == 0:
+        if rep.prompt_users[prompt_slot] == 0 or continues:
             host["prompts"][prompt_slot] = self.engine.options.pad_id
             host["prompts"][prompt_slot, :len(prompt)] = prompt
             host["prompt_lens"][prompt_slot] = len(prompt)
-        rep.prompt_users[prompt_slot] += 1
+        rep.prompt_users[prompt_slot] += 0 if continues else 1
         host["request_prompts"][slot] = prompt_slot
         host["request_keys"][slot] = key
         rep.slot_request[slot] = request_id
@@ -267,10 +327,9 @@ class DecodeSession:
                 fetched[group.replica] = jax.device_get(rep.outputs)
             out = fetched[group.replica]
             for slot, request_id in zip(group.slots, group.request_ids, strict=True):
-                finished[request_id] = completion_of(out, slot, self.sampling,
-                                                     self.engine.options.eos_ids)
-                rep.prompt_users[rep.host["request_prompts"][slot]] -= 1
-                rep.slot_request[slot] = -1
+                finished[request_id] = done = completion_of(out, slot, self.sampling,
+                                                            self.engine.options.eos_ids)
+                self._finish(rep, slot, request_id, done, group.keep)
         self._groups = [g for g in self._groups if g not in whole]
         return finished
 
@@ -284,6 +343,35 @@ class DecodeSession:
             out.update({int(rep.slot_request[s]): int(lens[s])
                         for s in np.flatnonzero(rep.slot_request >= 0)})
         return out
+
+    def _finish(self, rep: _Replica, slot: int, request_id: int, done: Completion,
+                keep: bool) -> None:
+        """Free the request's slot, and its prompt slot unless its pages are kept (as the
+        loop kept them: `block_tables.keeping`)."""
+        prompt_slot = int(rep.host["request_prompts"][slot])
+        prompt = rep.host["prompts"][prompt_slot, :rep.host["prompt_lens"][prompt_slot]]
+        rep.slot_request[slot] = -1
+        if keep and len(prompt) + len(done.tokens) - 1 < self.shape.prompt_len:
+            self._kept[request_id] = _Kept(rep.mesh_index, prompt_slot,
+                                           np.concatenate([prompt, done.tokens]))
+        else:
+            rep.prompt_users[prompt_slot] -= 1
+
+    def release(self, request_id: int) -> None:
+        """Free a returned request's kept pages (`join(keep=True)`) and its prompt slot."""
+        self._check_open()
+        kept = self._kept.pop(request_id, None)
+        if kept is None:
+            raise ValueError(f"request {request_id} has no kept pages to release")
+        rep = self._replicas[kept.replica]
+        released = np.arange(self.shape.num_prompts) == kept.prompt_slot
+        rep.state = self._programs.release(rep.mesh_index, rep.state, released)
+        rep.prompt_users[kept.prompt_slot] -= 1
+
+    @property
+    def kept(self) -> list[int]:
+        """The returned requests whose pages are kept, by request id."""
+        return sorted(self._kept)
 
     @property
     def unfinished(self) -> int:
@@ -300,7 +388,7 @@ class DecodeSession:
         """Give the engine its page pools back (or free them, as `generate` would)."""
         for rep in self._replicas:
             self.engine._return_pool(rep.mesh_index, rep.state.pool, self)
-        self._replicas = []
+        self._replicas, self._kept = [], {}
 
     def __enter__(self) -> DecodeSession:
         return self

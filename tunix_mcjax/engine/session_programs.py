@@ -1,8 +1,8 @@
 """The compiled programs of a decode session (`engine.session`), per replica and shape: start
-(the initial `LoopState` over the replica's pool), join (requests waiting afresh) and advance
-(a slice of the loop). Each donates the state it takes, so the state stays in place on the
-replica's devices; each compiles once per (replica, shape) and counts in the engine's
-`compile_count`."""
+(the initial `LoopState` over the replica's pool), join (requests waiting afresh), release
+(kept conversations' pages freed) and advance (a slice of the loop). Each donates the state it
+takes, so the state stays in place on the replica's devices; each compiles once per (replica,
+shape) and counts in the engine's `compile_count`."""
 
 from __future__ import annotations
 
@@ -45,14 +45,24 @@ class SessionPrograms:
         return self._compiled("start", mesh_index, build, pool, inputs)(pool, inputs)
 
     def join(self, mesh_index: int, state: LoopState, inputs: Inputs,
-             joined: np.ndarray) -> LoopState:
-        """`decode_loop.join`: the requests where `joined` wait afresh; donates `state`."""
-        def build(state, inputs, joined):
+             joined: np.ndarray, keep: np.ndarray) -> LoopState:
+        """`decode_loop.join`: the requests where `joined` wait afresh, those where `keep`
+        keeping their pages when done; donates `state`."""
+        def build(state, inputs, joined, keep):
             return jax.jit(decode_loop.join, donate_argnums=0,
                            out_shardings=_shardings(state))
 
-        return self._compiled("join", mesh_index, build, state, inputs, joined)(
-            state, inputs, joined)
+        return self._compiled("join", mesh_index, build, state, inputs, joined, keep)(
+            state, inputs, joined, keep)
+
+    def release(self, mesh_index: int, state: LoopState, released: np.ndarray) -> LoopState:
+        """`decode_loop.release`: the KEPT prompt slots where `released` give their pages
+        back; donates `state`."""
+        def build(state, released):
+            return jax.jit(decode_loop.release, donate_argnums=0,
+                           out_shardings=_shardings(state))
+
+        return self._compiled("release", mesh_index, build, state, released)(state, released)
 
     def advance(self, mesh_index: int, state: LoopState, inputs: Inputs,
                 max_iterations: np.int32) -> tuple[LoopState, Outputs, jax.Array]:

@@ -19,7 +19,7 @@ import numpy as np
 
 from tunix_mcjax.agentic import rollout as agentic_rollout
 from tunix_mcjax.agentic.conversation import Conversation
-from tunix_mcjax.agentic.loop import TurnLimits, run_turns
+from tunix_mcjax.agentic.loop import TurnLimits, TurnRun, run_turns_counted
 from tunix_mcjax.agentic.parsers import ChatParser, load_chat_template
 from tunix_mcjax.config import Config, ConfigError
 from tunix_mcjax.engine import Completion, Engine
@@ -46,11 +46,11 @@ def trajectory_seed(seed: int, step: int, prompt_index: int, generation: int,
 
 @dataclasses.dataclass(frozen=True)
 class Trajectories:
-    """An agentic generate phase's samples: a host's conversations, each finished, and the
-    engine rounds the turn loop took."""
+    """An agentic generate phase's samples: a host's conversations, each finished, and what
+    the turn loop took (engine rounds, prefill tokens)."""
 
     conversations: list[Conversation]
-    rounds: int
+    run: TurnRun
 
 
 class AgenticRollouts(RolloutPhases):
@@ -89,9 +89,10 @@ class AgenticRollouts(RolloutPhases):
 
     def generate(self, adm: Admission, round_: int = 0) -> Trajectories:
         convs = self.conversations(adm, round_)
-        rounds = run_turns(self.engine, convs, self.parser, self.sampling,
-                           rollout_seed(self.cfg.seed, adm.step, self.host, round_), self.limits)
-        return Trajectories(convs, rounds)
+        run = run_turns_counted(self.engine, convs, self.parser, self.sampling,
+                                rollout_seed(self.cfg.seed, adm.step, self.host, round_),
+                                self.limits)
+        return Trajectories(convs, run)
 
     def score(self, adm: Admission, trajectories: Trajectories) -> Scores:
         """Tunix's agentic learner's call: the model's turns as text, with the environment's
@@ -113,8 +114,10 @@ class AgenticRollouts(RolloutPhases):
         completions = tuple(
             Completion(np.asarray(c.tokens, np.int32), np.asarray(c.logprobs, np.float32),
                        "length" if c.status == "context_exceeded" else "stop") for c in convs)
-        turns = {**agentic_rollout.turn_metrics(convs),
-                 "rounds": float(trajectories.rounds)} if convs else {}
+        run = trajectories.run
+        turns = {**agentic_rollout.turn_metrics(convs), "rounds": float(run.rounds),
+                 "prefill_tokens": float(run.prefill_tokens),
+                 "prefill_tokens_saved": float(run.prefill_tokens_saved)} if convs else {}
         return Rollout(adm, tuple(convs[j * g].prompt for j in range(len(adm.local_indices))),
                        completions, *scores, policy_version, seconds,
                        masks=tuple(np.asarray(c.mask, np.float32) for c in convs), turns=turns)

@@ -1,0 +1,154 @@
+"""Kept pages (`DecodeSession.join(keep=True, continue_from=...)`): a conversation's second
+turn starts from the pages its first turn left, prefills only its new tokens (the loop's
+`prefill_tokens`) and samples what a full re-prefill samples (`generate`); under page pressure
+kept pages are evicted and re-prefilled, the samples unchanged. One engine for the module (tiny
+Qwen3, CPU), its pool small enough that filler requests evict kept conversations."""
+
+import jax
+import numpy as np
+import pytest
+
+from tests.test_engine import PAD, VOCAB, params_of
+from tunix_mcjax import config, models
+from tunix_mcjax.agentic.conversation import Conversation
+from tunix_mcjax.agentic.demo import lookup_conversation
+from tunix_mcjax.agentic.loop import TurnLimits, run_turns_counted
+from tunix_mcjax.agentic.parsers import PLAIN, ChatParser
+from tunix_mcjax.engine.base import SamplingParams
+from tunix_mcjax.engine.jax_engine import JaxEngine
+from tunix_mcjax.tokenizer import char_tokenizer
+
+EOS = 1
+MAX_NEW = 8
+PROMPT_LEN = 32
+STOPS = tuple(range(2, 6))
+SAMPLE = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=STOPS)
+_rng = np.random.default_rng(5)
+FIRST = [_rng.integers(10, 90, n).tolist() for n in (3, 6, 9, 13)]
+OBSERVED = [_rng.integers(10, 90, n).tolist() for n in (2, 5, 3, 4)]  # the tools' tokens
+FILLER = [_rng.integers(10, 90, 28).tolist() for _ in range(4)]  # unrelated requests
+CAPACITY = dict(max_requests=8, max_prompts=8, max_prompt_length=PROMPT_LEN)
+
+
+@pytest.fixture(scope="module")
+def engine() -> JaxEngine:
+    """8 slots, a pool of 40 pages of 4 tokens: the four conversations kept after their first
+    turn hold up to 4 x 6 of them, four filler requests of 28 tokens want 4 x 9."""
+    mc = models.model_config(config.load_config(None), vocab_size=VOCAB, for_sampling=True)
+    engine = JaxEngine(mc, jax.devices()[:1], pad_id=PAD, eos_ids=(EOS,),
+                       max_prompt_length=PROMPT_LEN, max_new_tokens=MAX_NEW, page_size=4,
+                       max_batch_size=8, num_pages=40)
+    engine.load_weights(params_of(models.create_model(mc, 0)))
+    return engine
+
+
+def second_prompts(first_turn: dict) -> list[list[int]]:
+    """Each conversation so far (prompt, the model's turn) and its tool's tokens."""
+    return [p + first_turn[i].tokens.tolist() + o
+            for i, (p, o) in enumerate(zip(FIRST, OBSERVED, strict=True))]
+
+
+def two_turns(session, filler=None):
+    """The first turn kept, `filler` requests (if any) run in between, the second turn
+    continued: (the first turn, the second, the prefill tokens of the second turn)."""
+    ids = session.join(FIRST, seed=1, keep=True)
+    first = session.step()
+    assert sorted(first) == ids and session.kept == ids
+    if filler:
+        session.join(filler, seed=7)
+        session.step()
+    before = session.last_stats[0]["prefill_tokens"]
+    second_ids = session.join(second_prompts(first), seed=2, continue_from=ids)
+    second = session.step()
+    assert session.kept == []  # the second turn did not keep its pages
+    return first, [second[i] for i in second_ids], \
+        session.last_stats[0]["prefill_tokens"] - before
+
+
+@pytest.fixture(scope="module")
+def reference(engine):
+    """Both turns by `generate`: the second re-prefills each conversation in full."""
+    first = engine.generate(FIRST, SAMPLE, seed=1)
+    again = second_prompts(dict(enumerate(first)))
+    second = engine.generate(again, SAMPLE, seed=2)
+    assert engine.last_stats[0]["prefill_tokens"] >= sum(map(len, again))
+    return first, second, sum(map(len, again))
+
+
+def assert_same_samples(got, want):
+    """The same tokens; logprobs to float32's last bits. A kept completion's keys/values were
+    computed by decode steps (a row of one token), a re-prefill's by chunks: the prompt's are
+    bitwise equal, the completion's differ by ~1.5e-6 (the matmuls' shapes round differently),
+    and the session's 8 rows against generate's 4 round the first turn's logprobs apart too."""
+    for g, w in zip(got, want, strict=True):
+        assert g.tokens.tolist() == w.tokens.tolist()
+        np.testing.assert_allclose(g.logprobs, w.logprobs, atol=1e-6, rtol=0)
+        assert g.finish_reason == w.finish_reason
+
+
+def test_second_turn_prefills_only_its_new_tokens(engine, reference):
+    want_first, want_second, full_prefill = reference
+    with engine.session(SAMPLE, **CAPACITY) as session:
+        first, second, prefilled = two_turns(session)
+    assert_same_samples([first[i] for i in sorted(first)], want_first)
+    assert_same_samples(second, want_second)
+    # The observation's tokens and the first turn's last token (sampled, never run).
+    assert prefilled == sum(len(o) + 1 for o in OBSERVED)
+    assert prefilled < full_prefill / 3
+
+
+def test_evicted_conversations_are_re_prefilled_with_the_same_samples(engine, reference):
+    want_first, want_second, full_prefill = reference
+    with engine.session(SAMPLE, **CAPACITY) as session:
+        first, second, prefilled = two_turns(session, FILLER)
+    assert_same_samples([first[i] for i in sorted(first)], want_first)
+    assert_same_samples(second, want_second)
+    new_only = sum(len(o) + 1 for o in OBSERVED)
+    assert new_only < prefilled <= full_prefill  # some were evicted and re-prefilled
+
+
+def test_release_frees_a_kept_conversation_and_bad_continuations_are_refused(engine):
+    with engine.session(SAMPLE, **CAPACITY) as session:
+        ids = session.join(FIRST[:2], seed=1, keep=True)
+        first = session.step()
+        with pytest.raises(ValueError, match="does not extend"):
+            session.join([[11] + FIRST[0]], seed=2, continue_from=[ids[0]])
+        with pytest.raises(ValueError, match="no kept pages"):
+            session.join([FIRST[0]], seed=2, continue_from=[99])
+        with pytest.raises(ValueError, match="group_size=1"):
+            session.join([FIRST[0]] * 2, seed=2, group_size=2, continue_from=[ids[0], None])
+        session.release(ids[0])
+        assert session.kept == [ids[1]]
+        with pytest.raises(ValueError, match="no kept pages"):
+            session.join([FIRST[0] + first[ids[0]].tokens.tolist() + [7]], seed=2,
+                         continue_from=[ids[0]])
+        with pytest.raises(ValueError, match="no kept pages to release"):
+            session.release(ids[0])
+
+
+def demo_conversations(parser):
+    """The tool demo's conversations (`agentic.demo`): a turn that is not one digit calls the
+    lookup tool, whose digit comes back as an observation; two turns at most."""
+    return [Conversation.start(*lookup_conversation(q, {}, seed=s, system_prompt=""), parser)
+            for q in ("a?", "bc?", "d?") for s in (1, 2)]
+
+
+def test_the_agentic_loop_with_kept_pages_gives_the_same_trajectories(engine):
+    parser = ChatParser(char_tokenizer(), PLAIN)
+    limits = TurnLimits(max_total_tokens=PROMPT_LEN, max_turn_tokens=3, tool_timeout_s=10.0,
+                        max_concurrency=8)
+    runs = {}
+    for keep in (True, False):
+        convs = demo_conversations(parser)
+        runs[keep] = convs, run_turns_counted(engine, convs, parser, SAMPLE, 11, limits,
+                                              keep_pages=keep)
+    (kept, kept_run), (full, full_run) = runs[True], runs[False]
+    assert kept_run.rounds == full_run.rounds == 2 and any(c.turns == 2 for c in kept)
+    for a, b in zip(kept, full, strict=True):
+        assert (a.tokens, a.mask, a.status, a.reward) == (b.tokens, b.mask, b.status, b.reward)
+        np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-6, rtol=0)
+    # Each second turn prefills its observation and the first turn's last token, not the whole
+    # context (generate shares each prompt's prefill among its two equal prompts).
+    assert kept_run.prefill_tokens_full == full_run.prefill_tokens_full
+    assert kept_run.prefill_tokens_saved > 0
+    assert kept_run.prefill_tokens < full_run.prefill_tokens
