@@ -152,3 +152,25 @@ def test_the_agentic_loop_with_kept_pages_gives_the_same_trajectories(engine):
     assert kept_run.prefill_tokens_full == full_run.prefill_tokens_full
     assert kept_run.prefill_tokens_saved > 0
     assert kept_run.prefill_tokens < full_run.prefill_tokens
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_agentic_keep_pages_reaches_the_turn_loop(monkeypatch, keep):
+    """The key decides whether a rollout's turns keep their pages; it means nothing without
+    agentic rollouts, so it is refused there."""
+    from tests.mp import REPO
+    from tunix_mcjax.runtime import agentic_rollouts
+
+    cfg = config.load_config(REPO / "recipes/cpu/demo_agentic.yml",
+                             [f"agentic_keep_pages={str(keep).lower()}"])
+    seen = {}
+    monkeypatch.setattr(agentic_rollouts, "run_turns_counted",
+                        lambda *a, keep_pages: seen.setdefault("keep_pages", keep_pages))
+    rollouts = agentic_rollouts.AgenticRollouts.__new__(agentic_rollouts.AgenticRollouts)
+    rollouts.cfg, rollouts.host, rollouts.engine = cfg, 0, None
+    rollouts.parser = rollouts.sampling = rollouts.limits = None
+    monkeypatch.setattr(rollouts, "conversations", lambda adm, round_: [], raising=False)
+    rollouts.generate(type("Adm", (), {"step": 0})())
+    assert seen == {"keep_pages": keep}
+    with pytest.raises(config.ConfigError, match="agentic_keep_pages"):
+        config.load_config(REPO / "recipes/cpu/demo.yml", ["agentic_keep_pages=true"])

@@ -82,7 +82,7 @@ def run_turns(engine: Engine, conversations: Sequence[Conversation], parser: Cha
 
 def run_turns_counted(engine: Engine, conversations: Sequence[Conversation], parser: ChatParser,
                       sampling: SamplingParams, seed: int, limits: TurnLimits,
-                      keep_pages: bool = True) -> TurnRun:
+                      keep_pages: bool = False) -> TurnRun:
     """`run_turns`, counting prefill; `keep_pages=False` decodes a `generate` per round on
     any engine."""
     decoder = _open_decoder(engine, sampling, conversations, limits, keep_pages)

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 # Tunix's agentic learner); off_policy_steps is also rl_runtime=mcjax_da's staleness bound.
 AGENTIC_ONLY = ("off_policy_steps", "use_rollout_logps", "force_on_policy_ratio",
                 "agentic_environment", "system_prompt", "data_template_path", "max_concurrency",
-                "agentic_max_turn_tokens", "agentic_tool_timeout_s")
+                "agentic_max_turn_tokens", "agentic_tool_timeout_s", "agentic_keep_pages")
 
 
 def check(cfg: Keys) -> None:

@@ -312,6 +312,10 @@ class Agentic:
     agentic_tool_timeout_s: float = key(
         30.0, "Budget of one round's environment steps; a step past it ends its trajectory "
         "(status tool_timeout, reward 0).", check=positive())
+    agentic_keep_pages: bool = key(
+        False, "A conversation keeps its KV pages between turns (jax and maxtext engines), so "
+        "a turn prefills only its new tokens; off by default until a group's first turn "
+        "shares its prompt pages (docs/agentic.md).", runtime_only=True)
 
 
 @section

@@ -285,7 +285,7 @@ def pop_rollout_engine(argv: Sequence[str], kwargs: dict
 # TaskEnvironment, `maxtext.agentic.task_conversation`), one turn's tokens, the tools' budget.
 DEFAULT_ENVIRONMENT = "tunix_mcjax.maxtext.agentic:task_conversation"
 AGENTIC_ADAPTER_KEYS = ("agentic_environment", "agentic_max_turn_tokens",
-                        "agentic_tool_timeout_s")
+                        "agentic_tool_timeout_s", "agentic_keep_pages")
 
 
 def pop_keys(argv: Sequence[str], kwargs: dict, keys: tuple[str, ...]

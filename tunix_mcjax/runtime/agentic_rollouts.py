@@ -91,7 +91,7 @@ class AgenticRollouts(RolloutPhases):
         convs = self.conversations(adm, round_)
         run = run_turns_counted(self.engine, convs, self.parser, self.sampling,
                                 rollout_seed(self.cfg.seed, adm.step, self.host, round_),
-                                self.limits)
+                                self.limits, keep_pages=self.cfg.agentic_keep_pages)
         return Trajectories(convs, run)
 
     def score(self, adm: Admission, trajectories: Trajectories) -> Scores:
