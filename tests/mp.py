@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -33,3 +34,23 @@ def launch_worker(module: str, recipe: str, overrides: list[str], hosts: int = 2
 
 def read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def run_stopping_at(cmd: list[str], env: dict[str, str], timeout: float,
+                    stop_at: str | None = None) -> tuple[int, str]:
+    """`cmd` from the repository root with `env`; with `stop_at`, SIGTERM to it once a line
+    of its output starts with that. (exit code, output)."""
+    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    lines = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if stop_at is not None and line.startswith(stop_at):
+                proc.send_signal(signal.SIGTERM)
+                break
+        lines += proc.communicate(timeout=timeout)[0]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc.returncode, "".join(lines)

@@ -19,7 +19,7 @@ import orbax.checkpoint as ocp
 import pytest
 import ray
 
-from tests.mp import REPO, TINY, read_jsonl
+from tests.mp import REPO, TINY, read_jsonl, run_stopping_at
 from tests.ray_local import local_ray  # noqa: F401  (the module's cluster)
 from tunix_mcjax import launch
 from tunix_mcjax.config import ConfigError, load_config
@@ -125,23 +125,10 @@ LEARNED = ("reward_mean", "accuracy", "prompt_indices", "completion_len_mean", "
 def da_launch(out, *keys, stop_at: str | None = None) -> tuple[int, str]:
     """The launcher on 2 hosts (its own local Ray cluster); with `stop_at`, SIGTERM to the driver
     once that progress line is out. (exit code, output)."""
-    proc = subprocess.Popen(
+    return run_stopping_at(
         [sys.executable, "-m", "tunix_mcjax.launch", "--hosts", "2", "--devices-per-host", "1",
-         "recipes/cpu/demo.yml", *SMALL, f"base_output_directory={out}", *keys], cwd=REPO,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO)})
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if stop_at is not None and line.startswith(stop_at):
-                proc.send_signal(signal.SIGTERM)
-                break
-        lines += proc.communicate(timeout=180)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.returncode, "".join(lines)
+         "recipes/cpu/demo.yml", *SMALL, f"base_output_directory={out}", *keys],
+        {**os.environ, "PYTHONPATH": str(REPO)}, 180, stop_at)
 
 
 def final_params(run_dir) -> dict:

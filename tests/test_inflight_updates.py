@@ -8,15 +8,13 @@ and the refused configurations, without a cluster."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 
 import numpy as np
 import pytest
 from ray.cluster_utils import Cluster
 
-from tests.mp import REPO, TINY, read_jsonl
+from tests.mp import REPO, TINY, read_jsonl, run_stopping_at
 from tests.test_disaggregated import LEARNED, final_params
 from tunix_mcjax.config import ConfigError, load_config
 from tunix_mcjax.runtime import in_flight
@@ -46,23 +44,10 @@ def launch(address: str, out, *keys, stop_at: str | None = None) -> tuple[int, s
     """The launcher on the cluster at `address` (every host it offers) running the demo with
     `IN_FLIGHT`; with `stop_at`, SIGTERM to the driver once that progress line is out.
     (exit code, output)."""
-    proc = subprocess.Popen(
+    return run_stopping_at(
         [sys.executable, "-m", "tunix_mcjax.launch", "--devices-per-host", "1",
          "recipes/cpu/demo.yml", *IN_FLIGHT, f"base_output_directory={out}", *keys],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        env={**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": address})
-    lines = []
-    try:
-        for line in proc.stdout:
-            lines.append(line)
-            if stop_at is not None and line.startswith(stop_at):
-                proc.send_signal(signal.SIGTERM)
-                break
-        lines += proc.communicate(timeout=400)[0]
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    return proc.returncode, "".join(lines)
+        {**os.environ, "PYTHONPATH": str(REPO), "RAY_ADDRESS": address}, 400, stop_at)
 
 
 def check_tokens(records: list[dict]) -> None:
