@@ -91,6 +91,7 @@ class DecodeSession:
         self._groups: list[_Group] = []
         self._kept: dict[int, _Kept] = {}
         self._next_id = 0
+        self._iteration_s: float | None = None  # a timed slice's seconds an iteration, last
         # Per replica, the loop's counters over the session so far (`JaxEngine.last_stats`).
         self.last_stats: list[dict[str, int]] = [{} for _ in self._replicas]
 
@@ -283,20 +284,22 @@ class DecodeSession:
         return self._timed(max_iterations, time.monotonic() + time_budget_s)
 
     def _timed(self, max_iterations: int | None, deadline: float) -> dict[int, Completion]:
-        """Slices until `deadline`, each sized by the last one's time an iteration."""
+        """Slices until `deadline`, each sized to the time left by the session's last time an
+        iteration (kept across calls: a caller stepping with a short budget, as streaming
+        does, pays one host sync a call, not one per doubling from a single iteration)."""
         finished: dict[int, Completion] = {}
         left = WHOLE if max_iterations is None else max_iterations
-        size = 1
         while True:
             start = time.monotonic()
+            size = 1 if self._iteration_s is None else int(
+                min(left, max(1, (deadline - start) / max(self._iteration_s, 1e-9))))
             self._advance(size)
             finished.update(self._whole_groups())
             left -= size
             now = time.monotonic()
+            self._iteration_s = (now - start) / size
             if not self.unfinished or now >= deadline or left <= 0:
                 return finished
-            per_iteration = (now - start) / size
-            size = int(min(left, 2 * size, max(1, (deadline - now) / max(per_iteration, 1e-9))))
 
     def _advance(self, max_iterations: int) -> None:
         """A slice of every replica with requests left, all dispatched before any is read."""
