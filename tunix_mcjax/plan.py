@@ -192,7 +192,8 @@ def paged_shape(cfg: Config, cluster: Cluster, m: ModelShape) -> PagedShape:
     """The jax engine's pool and program for a replica's share, from its own arithmetic."""
     page_size = cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE
     one_page = pages.page_bytes(m.layers, m.kv_heads, m.head_dim, page_size,
-                                DTYPE_BYTES[cfg.dtype], cfg.rollout_tensor_parallelism)
+                                DTYPE_BYTES[cfg.dtype], cfg.rollout_tensor_parallelism,
+                                cfg.kv_quant_dtype if cfg.quantize_kvcache else "")
     return paged_shape_of(cfg, cluster, one_page, engine_weight_bytes(cfg, m))
 
 

@@ -138,14 +138,17 @@ def engine_model(cfg: Config, target: Target, mc_train) -> tuple[Qwen3PagedModel
     """The TPU decode model of one replica, and its param shapes."""
     mc = models.model_config(cfg, mc_train.vocab_size, for_sampling=True)
     mesh = target.replica_mesh(cfg.rollout_tensor_parallelism)
-    return tpu_model(mc, mesh), engine_params(mc, mesh, cfg.quantization)
+    kv_mode = cfg.kv_quant_dtype if cfg.quantize_kvcache else ""
+    return tpu_model(mc, mesh, kv_mode), engine_params(mc, mesh, cfg.quantization)
 
 
-def tpu_model(mc, mesh: Mesh) -> Qwen3PagedModel:
+def tpu_model(mc, mesh: Mesh, kv_mode: str = "") -> Qwen3PagedModel:
     """The jax engine's decode model on a TPU replica `mesh`, with the page layout the engine
-    picks there (`layout_for`: the Pallas kernel on each device's heads)."""
+    picks there (`layout_for`: the Pallas kernel on each device's heads; quantized pages under
+    `kv_mode`)."""
     return Qwen3PagedModel(mc, mesh, layout_for("tpu", mesh.devices.size, mc.head_dim,
-                                                mesh=mesh, kv_heads=mc.num_kv_heads))
+                                                mesh=mesh, kv_heads=mc.num_kv_heads,
+                                                kv_mode=kv_mode, dtype=mc.dtype))
 
 
 def pool_shapes(model: Qwen3PagedModel, num_pages: int, page_size: int):
@@ -153,7 +156,8 @@ def pool_shapes(model: Qwen3PagedModel, num_pages: int, page_size: int):
     cfg = model.cfg
     pool = jax.eval_shape(lambda: model.layout.empty(
         num_pages, page_size, cfg.num_kv_heads, cfg.head_dim, cfg.dtype, layers=cfg.num_layers))
-    return sds(pool.shape, pool.dtype, NamedSharding(model.mesh, model.layout.spec("data")))
+    sharding = NamedSharding(model.mesh, model.layout.spec("data"))
+    return jax.tree.map(lambda x: sds(x.shape, x.dtype, sharding), pool)
 
 
 def program_shape(cfg: Config, e: plan.PagedShape, pack_decode_rows: bool = True
@@ -253,7 +257,8 @@ def step_programs(cfg: Config, target: Target, mc, p: plan.Plan,
     replica = target.replica_mesh(cfg.rollout_tensor_parallelism)
     weights = engine_params(engine_mc, replica)
     kept_pool = [] if cfg.free_kv_cache_during_weight_sync else pool_shapes(
-        tpu_model(engine_mc, replica), p.engine.pool_pages,
+        tpu_model(engine_mc, replica, cfg.kv_quant_dtype if cfg.quantize_kvcache else ""),
+        p.engine.pool_pages,
         p.engine.page_size)
     train.resident = (weights, kept_pool)
     programs, kv = [], {}

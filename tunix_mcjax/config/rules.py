@@ -209,6 +209,10 @@ def _quantization(cfg: Keys) -> None:
         raise ConfigError(f"quantization={cfg.quantization}: rollout_engine={cfg.rollout_engine} "
                           "does not quantize its weights yet (the jax engine does); use "
                           "rollout_engine=jax, or drop quantization")
+    if cfg.quantize_kvcache and cfg.rollout_engine != "jax":
+        raise ConfigError(f"quantize_kvcache=true: rollout_engine={cfg.rollout_engine} does not "
+                          "quantize its KV pages yet (the jax engine does); use "
+                          "rollout_engine=jax, or drop quantize_kvcache")
 
 
 def _evaluation_and_profiler(cfg: Keys) -> None:

@@ -160,6 +160,16 @@ class Rollout:
         "layer's projection matrices per output channel in int8 or fp8 (e4m3) with float32 "
         "scales, quantized as a publish loads them (embeddings, norms, lm head stay in "
         "rollout_weight_dtype). The trainer keeps full precision. rollout_engine=jax only.")
+    quantize_kvcache: bool = key(
+        False, "MaxText's name; here the jax engine's KV page pool: keys and values stored in "
+        "kv_quant_dtype with a bfloat16 absmax scale per token and kv head, dequantized by the "
+        "XLA attention path (the TPU kernel is not used). rollout_engine=jax only.")
+    kv_quant_dtype: Literal["int8", "fp8"] = key(
+        "int8", "The KV pages' dtype under quantize_kvcache: int8, or fp8 (e4m3). MaxText's "
+        "int4 is not taken.")
+    kv_quant_axis: Literal["dkv"] = key(
+        "dkv", "MaxText's name: the axes one KV scale spans. Only dkv (one scale per token and "
+        "kv head, over head_dim) is honoured; MaxText's heads_and_dkv is refused.")
 
 
 @section

@@ -149,7 +149,8 @@ class JaxEngine(Engine):
         platform = mesh.devices.flat[0].platform
         return Qwen3PagedModel(self.model_config, mesh, layout_for(
             platform, mesh.devices.size, self.model_config.head_dim, mesh=mesh,
-            kv_heads=self.model_config.num_kv_heads))
+            kv_heads=self.model_config.num_kv_heads, kv_mode=self.options.kv_quantization,
+            dtype=self.model_config.dtype))
 
     def _replica_model(self, mesh_index: int) -> DecodeModel:
         """The decode model of replica (mesh) `mesh_index`, built once."""
@@ -179,7 +180,8 @@ class JaxEngine(Engine):
         cfg = self.model_config
         itemsize = np.dtype(cfg.dtype).itemsize
         return pages.page_bytes(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim,
-                                self.options.page_size, itemsize, tp)
+                                self.options.page_size, itemsize, tp,
+                                self.options.kv_quantization)
 
     def _pages_needed(self) -> int:
         opts = self.options

@@ -29,7 +29,8 @@ class EngineOptions:
     prefills. `prefix_caching` lets the requests of one prompt share its pages. The pool is made
     on first use and kept, unless `free_pool_after_generate` (a colocated trainer wants the
     memory between rollouts). `quantization` (int8, fp8; "" none) is the dtype the jax engine
-    holds its projection weights in (`engine.quantize`)."""
+    holds its projection weights in (`engine.quantize`); `kv_quantization` (int8, fp8; "" none)
+    its KV pages' (`paged_attention.QuantizedPages`)."""
 
     pad_id: int
     eos_ids: tuple[int, ...]
@@ -47,6 +48,7 @@ class EngineOptions:
     prefix_caching: bool = True
     free_pool_after_generate: bool = False
     quantization: str = ""
+    kv_quantization: str = ""
 
     def __post_init__(self):
         if self.max_prompt_length < 1 or self.max_new_tokens < 1 or self.max_batch_size < 1:
@@ -56,6 +58,7 @@ class EngineOptions:
             raise ValueError("page_size (vllm_block_size) and max_num_batched_tokens must be >= "
                              "1, and hbm_utilization (hbm_utilization_vllm) in (0, 1]")
         check_mode(self.quantization)
+        pages.check_kv_mode(self.kv_quantization)
         # One id once, in order.
         object.__setattr__(self, "eos_ids", tuple(dict.fromkeys(int(i) for i in self.eos_ids)))
 

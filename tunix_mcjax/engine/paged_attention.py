@@ -19,6 +19,8 @@ sees keys at positions p - window < k <= p, by token position, MaxText's LOCAL_S
   row rounded up to the next of a few sizes (a `lax.switch` over them, at most 25% past it), so
   a step costs what its live tokens cost, not what the caps would; a prefill chunk over its
   prompt's table (the prompt bucket's pages).
+- `QuantizedPages` (any platform, `quantize_kvcache`): SplitPages' arrays in int8 or fp8 with
+  a scale per token and kv head, quantized as written and dequantized as gathered.
 - `GpuPages` (GPU): SplitPages' arrays; decode rows (one query each, no window or sinks) go
   through JAX's Pallas GPU `paged_attention` kernel, everything else through SplitPages' path.
 - `CombinedPages` (TPU): one array `[pages, page_size, 2 * kv_heads, head_dim]`, keys at even and
@@ -45,6 +47,8 @@ import jax.numpy as jnp
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3.model import K_MASK
+
+from tunix_mcjax.engine import pages as pages_lib
 
 
 def attend_keys(qg, k, v, q_pos, k_pos, k_live, *, window: int | None = None,
@@ -196,12 +200,16 @@ class SplitPages:
     def write(self, pool, pages, offsets, k, v, layer=None):
         """Token (r, c)'s k/v [R, C, K, H] at `pages[r, c]` (out of range: dropped), slot
         `offsets[r, c]`, of layer `layer`."""
-        at = (slice(None),) if layer is None else (slice(None), layer)
+        return tuple(self.put(x, new, pages, offsets, layer)
+                     for x, new in zip(pool, (k, finite_values(v)), strict=True))
 
-        def put(x, new):  # the index dims sit where pages were: [K, R, C, H]
-            return x.at[(*at, pages, offsets)].set(jnp.moveaxis(new, 2, 0).astype(x.dtype),
-                                                   mode="drop")
-        return put(pool[0], k), put(pool[1], finite_values(v))
+    @staticmethod
+    def put(x, new, pages, offsets, layer=None):
+        """`x` [K, (L,) pages, page, W] with new [R, C, K, W] at (layer, pages, offsets)."""
+        at = (slice(None),) if layer is None else (slice(None), layer)
+        # The index dims sit where pages were: [K, R, C, W].
+        return x.at[(*at, pages, offsets)].set(jnp.moveaxis(new, 2, 0).astype(x.dtype),
+                                               mode="drop")
 
     def copy_page(self, pool, source, target):
         """Pages `target` hold pages `source` (ids; a target past the pool is dropped), in
@@ -212,7 +220,13 @@ class SplitPages:
     def sequences(self, pool, tables, num_pages: int, layer=None):
         """Each row's keys and values [K, R, num_pages * page_size, H] from its first
         `num_pages` table entries, in layer `layer`."""
-        kv_heads, *stack, pool_pages, page_size, head_dim = pool[0].shape
+        return tuple(self.gather(x, tables, num_pages, layer) for x in pool[:2])
+
+    @staticmethod
+    def gather(x, tables, num_pages: int, layer=None):
+        """One array of the pool [K, (L,) pages, page, W] -> each row's first `num_pages`
+        pages [K, R, num_pages * page, W]."""
+        kv_heads, *stack, pool_pages, page_size, head_dim = x.shape
         layers, index_of_layer = (stack[0], layer) if stack else (1, 0)
         # One index per (kv head, row, entry) into the pool seen as [K * L * pages, page * H]:
         # each gathered slice is one contiguous page, and the result is already
@@ -222,13 +236,11 @@ class SplitPages:
         index = ((jnp.arange(kv_heads)[:, None, None] * layers + index_of_layer) * pool_pages
                  + entries[None])
 
-        def gather(x):  # [K, (L,) pages, page, H] -> [K, R, n * page, H]
-            g = x.reshape(-1, page_size * head_dim)[index]
-            # The barrier keeps the reshape out of the gather's loop: fused, XLA's CPU gather
-            # copies head_dim floats at a time, not a page, and gather + dots run ~1.4x longer.
-            g = jax.lax.optimization_barrier(g)
-            return g.reshape(kv_heads, tables.shape[0], num_pages * page_size, head_dim)
-        return gather(pool[0]), gather(pool[1])
+        g = x.reshape(-1, page_size * head_dim)[index]
+        # The barrier keeps the reshape out of the gather's loop: fused, XLA's CPU gather
+        # copies head_dim floats at a time, not a page, and gather + dots run ~1.4x longer.
+        g = jax.lax.optimization_barrier(g)
+        return g.reshape(kv_heads, tables.shape[0], num_pages * page_size, head_dim)
 
     def attend(self, q, pool, tables, kv_lens, q_lens, *, prefix: SharedPrefix | None = None,
                sinks=None, layer=None, **options) -> jax.Array:
@@ -302,6 +314,61 @@ class SplitPages:
 
         return jax.lax.switch(index, [branch(n) for n in buckets], qg, pool, tables, kv_lens,
                               first)
+
+
+# A quantized dtype's largest magnitude: a (token, head)'s absmax maps to it.
+KV_QMAX = {"int8": 127.0, "fp8": 448.0}
+
+
+def quantize_kv(x: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
+    """x [..., H] -> (values [..., H] in `mode`'s dtype, bfloat16 scales [..., 1]): one absmax
+    scale per vector over its last axis (a token's kv head), so x ~ values * scales."""
+    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
+    scale = jnp.where(absmax > 0, absmax / KV_QMAX[mode], 1.0).astype(jnp.bfloat16)
+    scaled = jnp.clip(x.astype(jnp.float32) / scale.astype(jnp.float32), -KV_QMAX[mode],
+                      KV_QMAX[mode])
+    values = jnp.round(scaled) if mode == "int8" else scaled
+    return values.astype(pages_lib.KV_MODES[mode]), scale
+
+
+def dequantize_kv(values: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
+    """`quantize_kv` undone: values * scales, in `dtype`."""
+    return (values.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)
+
+
+class QuantizedPages(SplitPages):
+    """SplitPages' layout with int8 or fp8 (e4m3) pages (`mode`): the pool is (keys, values,
+    key scales, value scales), the scales bfloat16 `[kv_heads, (layers,) pages, page_size, 1]`,
+    one absmax scale per token and kv head (over head_dim). Per token, not per page: a decode
+    step writes one token of a page, and a page-wide scale would have to grow and requantize
+    the tokens already there. A write quantizes; a read dequantizes the gathered pages to
+    `dtype` before XLA's attention, so the arithmetic is SplitPages' on the dequantized keys
+    and values. Not the TPU kernel: its `k_scale`/`v_scale` are one static float for the
+    whole pool, not per-token scales (`layout_for` picks this layout on every platform)."""
+
+    def __init__(self, mode: str, dtype: Any = jnp.bfloat16):
+        self.mode, self.dtype = pages_lib.check_kv_mode(mode), dtype
+        if not mode:
+            raise ValueError("QuantizedPages needs kv_quant_dtype int8 or fp8; use SplitPages")
+
+    def empty(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+              dtype: Any, layers: int | None = None) -> tuple[jax.Array, ...]:
+        values = super().empty(num_pages, page_size, kv_heads, head_dim,
+                               pages_lib.KV_MODES[self.mode], layers)
+        return (*values, *super().empty(num_pages, page_size, kv_heads, 1, jnp.bfloat16,
+                                        layers))
+
+    def write(self, pool, pages, offsets, k, v, layer=None):
+        (k_values, k_scale), (v_values, v_scale) = (quantize_kv(k, self.mode),
+                                                    quantize_kv(finite_values(v), self.mode))
+        return tuple(self.put(x, new, pages, offsets, layer)
+                     for x, new in zip(pool, (k_values, v_values, k_scale, v_scale),
+                                       strict=True))
+
+    def sequences(self, pool, tables, num_pages: int, layer=None):
+        """Each row's dequantized keys and values [K, R, num_pages * page_size, H]."""
+        k, v, k_scale, v_scale = (self.gather(x, tables, num_pages, layer) for x in pool)
+        return dequantize_kv(k, k_scale, self.dtype), dequantize_kv(v, v_scale, self.dtype)
 
 
 class GpuPages(SplitPages):
@@ -492,13 +559,17 @@ KERNEL_HEAD_DIM = 128
 
 
 def layout_for(platform: str, devices: int = 1, head_dim: int = KERNEL_HEAD_DIM, *,
-               mesh: Mesh | None = None, kv_heads: int | None = None, heads_axis: str = "tp"
-               ) -> SplitPages | CombinedPages:
+               mesh: Mesh | None = None, kv_heads: int | None = None, heads_axis: str = "tp",
+               kv_mode: str = "", dtype: Any = jnp.bfloat16) -> SplitPages | CombinedPages:
     """The page layout of a replica mesh of `devices` devices on `platform`, for heads
-    `head_dim` wide. On TPU the Pallas `ragged_paged_attention` for KERNEL_HEAD_DIM heads: on
-    one device, or on each device's heads of a replica `mesh` (split over `heads_axis`) whose
-    devices divide the `kv_heads`. On GPU the Pallas decode kernel on a one-device replica (XLA
-    does not partition a Pallas call over a mesh). XLA's attention otherwise."""
+    `head_dim` wide. With `kv_mode` (int8, fp8) `QuantizedPages` in `dtype` on every platform
+    (neither Pallas kernel takes per-token scales). On TPU the Pallas `ragged_paged_attention`
+    for KERNEL_HEAD_DIM heads: on one device, or on each device's heads of a replica `mesh`
+    (split over `heads_axis`) whose devices divide the `kv_heads`. On GPU the Pallas decode
+    kernel on a one-device replica (XLA does not partition a Pallas call over a mesh). XLA's
+    attention otherwise."""
+    if kv_mode:
+        return QuantizedPages(kv_mode, dtype)
     if platform == "tpu" and head_dim == KERNEL_HEAD_DIM:
         if devices == 1:
             return CombinedPages()

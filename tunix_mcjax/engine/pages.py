@@ -18,15 +18,30 @@ import jax.numpy as jnp
 
 DEFAULT_PAGE_SIZE = 16  # tokens per page (`vllm_block_size`), vLLM's GPU default
 
+# `kv_quantization` (`quantize_kvcache` with `kv_quant_dtype`) -> the stored dtype of K/V pages,
+# each (token, kv head) with one bfloat16 absmax scale over head_dim.
+KV_MODES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+KV_SCALE_BYTES = 2
+
+
+def check_kv_mode(mode: str) -> str:
+    """`mode` if it is "" (off) or one of KV_MODES; else a ValueError naming the key."""
+    if mode and mode not in KV_MODES:
+        raise ValueError(f"kv_quant_dtype={mode!r}: the jax engine's KV pages are "
+                         f"{' or '.join(KV_MODES)} (or \"\" for none)")
+    return mode
+
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
 def page_bytes(num_layers: int, kv_heads: int, head_dim: int, page_size: int,
-               dtype_bytes: int, tensor_parallelism: int = 1) -> int:
-    """Bytes one page takes on one device, over all layers (keys and values)."""
-    return num_layers * page_size * 2 * kv_heads * head_dim * dtype_bytes // tensor_parallelism
+               dtype_bytes: int, tensor_parallelism: int = 1, kv_mode: str = "") -> int:
+    """Bytes one page takes on one device, over all layers (keys and values); under `kv_mode`
+    a byte a value plus each (token, kv head)'s scale."""
+    per_head = head_dim * dtype_bytes if not kv_mode else head_dim + KV_SCALE_BYTES
+    return num_layers * page_size * 2 * kv_heads * per_head // tensor_parallelism
 
 
 def table_pages(prompt_len: int, max_new: int, page_size: int) -> int:

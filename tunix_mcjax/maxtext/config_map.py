@@ -313,8 +313,8 @@ CORRECTION_ADAPTER_KEYS = ("sampler_is", "sampler_is_threshold", "rollout_rs",
                            "moe_router_replay")
 
 
-# Taken off MaxText's config (its model build would quantize the trainer): the engine's only.
-ROLLOUT_ADAPTER_KEYS = ("quantization",)
+# Taken off MaxText's config (it would quantize the trainer, its KV cache): the engine's only.
+ROLLOUT_ADAPTER_KEYS = ("quantization", "quantize_kvcache", "kv_quant_dtype", "kv_quant_axis")
 
 
 def check_router_replay(config: Any, corrections: dict[str, Any]) -> None:

@@ -26,6 +26,7 @@ def engine_options(cfg: Config, pad_id: int, eos_ids: tuple[int, ...]) -> Engine
         prefix_caching=cfg.enable_prefix_caching,
         free_pool_after_generate=cfg.free_kv_cache_during_weight_sync,
         quantization=cfg.quantization,
+        kv_quantization=cfg.kv_quant_dtype if cfg.quantize_kvcache else "",
         **{key: value for key, value in pool.items() if value},
     )
 
