@@ -171,3 +171,9 @@ def test_refusals_name_the_key():
     with pytest.raises(ValueError, match="QuantizedPages needs kv_quant_dtype"):
         pa.QuantizedPages("")
     assert isinstance(pa.layout_for("tpu", 1, kv_mode="fp8"), pa.QuantizedPages)
+    # The engine on a TPU mesh: refused before its decode model is built.
+    tpu_mesh = type("Mesh", (), {"devices": np.array([type("D", (), {"platform": "tpu"})()])})
+    engine = type("E", (), {"options": EngineOptions(pad_id=0, eos_ids=(1,), max_prompt_length=4,
+                                                     max_new_tokens=4, kv_quantization="fp8")})
+    with pytest.raises(ValueError, match="quantize_kvcache=true on TPU"):
+        JaxEngine._decode_model(engine, tpu_mesh)
