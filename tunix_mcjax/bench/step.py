@@ -15,9 +15,9 @@ Arms (same model, tokenizer, reward, hyperparameters, batches and devices):
              (50%, 25%, 12.5%: arms mcjax_da-t50, -t25, -t12.5) that the host count and batch
              allow; compared with mcjax by the paper's rule (bench.da_compare, da_report.md)
 --ablation runs mcjax, mcjax+O1 .. mcjax+O4 and mcjax+opt, and reports each against mcjax.
---streaming runs mcjax+serial-rewards (reward_num_workers=0: the batch scored after generation)
-and mcjax (each group scored as it finishes, while the rest decode) with a reward of 50 ms per
-completion (bench.slow_reward), reported like --ablation.
+--streaming runs mcjax (reward_num_workers=0: the batch scored after generation) and
+mcjax+streaming (one reward worker: each group scored as it finishes, while the rest decode)
+with a reward of 50 ms per completion (bench.slow_reward), reported like --ablation.
 --balance runs mcjax, mcjax+O3 and mcjax+O3x (O3 plus rl_balance_by_expected_output) with
 output lengths that vary by prompt, reported like --ablation plus each arm's rollout imbalance
 (slowest host's generate time / mean) and how well a prompt's first-pass output length predicts
@@ -66,9 +66,9 @@ ARMS = ("tunix", "tunix-cli", "single", "mcjax", "mcjax+opt", "mcjax_da")
 LAYOUT_ARMS = ("tunix", "tunix-cli")  # one process; each layout in --tunix-layouts is a run
 ABLATION = ("mcjax", *(f"mcjax+{o}" for o in OPTIMIZATIONS), "mcjax+opt")
 BALANCE = ("mcjax", "mcjax+O3", "mcjax+O3x")
-# Rewards scored after generation (reward_num_workers=0) against streamed (mcjax: each group as
-# it finishes, while the rest decode), with a reward of 50 ms per completion.
-STREAMING = ("mcjax+serial-rewards", "mcjax")
+# Rewards scored after generation (mcjax: reward_num_workers=0) against streamed (one reward
+# worker: each group as it finishes, while the rest decode), with a 50 ms/completion reward.
+STREAMING = ("mcjax", "mcjax+streaming")
 STREAMING_SET = ("reward_functions=tunix_mcjax.bench.slow_reward:sleeping_reward",)
 # Output lengths that differ by prompt and repeat across epochs (EOS honoured, greedy decoding),
 # and 8 decode slots per engine, so that a host's rollout time follows its total tokens (the
@@ -102,8 +102,8 @@ class Run:
                     "rl_trainer_hosts_fraction": da_compare.split_fraction(self.arm)}
         if self.arm == "mcjax+opt":
             return ALL_OPT
-        if self.arm == "mcjax+serial-rewards":
-            return {"reward_num_workers": 0}
+        if self.arm == "mcjax+streaming":
+            return {"reward_num_workers": 1}
         if self.arm == "mcjax+O3x":
             return {OPTIMIZATIONS["O3"]: True, "rl_balance_by_expected_output": True}
         if self.arm.startswith("mcjax+"):

@@ -59,8 +59,8 @@ class Data:
         (), "package.module:function names, called as fn(prompts=, completions=, **fields); "
         "empty: the task's default reward.")
     reward_num_workers: int = key(
-        1, "Threads that score whole groups (MaxText's and Tunix's key): each group as soon as "
-        "it is sampled, while the rest decode (docs/performance.md); 0: every group after "
+        0, "Threads that score whole groups (MaxText's and Tunix's key): each group as soon as "
+        "it is sampled, while the rest decode (docs/performance.md); 0: the batch after "
         "generation, in the step's thread; -1: one per CPU.", check=at_least(-1),
         runtime_only=True)
     reward_worker_timeout_seconds: float = key(
