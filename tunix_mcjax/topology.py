@@ -33,6 +33,7 @@ _ABORT_LINGER_S = 2.0  # a failing host keeps the coordination service up this l
 # guarded wait long before it.
 BARRIER_TIMEOUT_S = 24 * 3600.0
 _barriers: dict[str, int] = {}
+_ARRIVE_POLL_S = 0.005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,12 +101,21 @@ def arrive_together(name: str, timeout_s: float = BARRIER_TIMEOUT_S) -> None:
     writes its persistent compilation cache from process 0 only, so with a warm cache host 0
     loads its engine's programs while every other host compiles its own (seen at 2 x 2 under
     load: the second launch on one cache failed at step 0's exchange). TPU and GPU collectives
-    have no such limit, so there is no barrier there."""
+    have no such limit, so there is no barrier there. The wait polls the key-value store from
+    Python, so the watchdog thread keeps running: a host that fails meanwhile ends this one."""
     client = _client()
     if client is None or jax.process_count() == 1 or jax.devices()[0].platform != "cpu":
         return
     count = _barriers[name] = _barriers.get(name, -1) + 1
-    client.wait_at_barrier(f"tunix_mcjax/{name}/{count}", timeout_in_ms=int(timeout_s * 1000))
+    here = f"tunix_mcjax/arrive/{name}/{count}/"
+    client.key_value_set(here + str(jax.process_index()), "1")
+    deadline = time.monotonic() + timeout_s
+    while len(client.key_value_dir_get(here)) < jax.process_count():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"hosts did not all reach {name!r} within {timeout_s:.0f}s")
+        time.sleep(_ARRIVE_POLL_S)
+    if count:  # every host has left the previous one: its key can go
+        client.key_value_delete(f"tunix_mcjax/arrive/{name}/{count - 1}/{jax.process_index()}")
 
 
 def allgather(values: np.ndarray) -> np.ndarray:
