@@ -158,12 +158,14 @@ class Rollout:
     quantization: Literal["", "int8", "fp8"] = key(
         "", "MaxText's name; here the rollout engine's weights only: the jax engine holds each "
         "layer's projection matrices per output channel in int8 or fp8 (e4m3) with float32 "
-        "scales, quantized as a publish loads them (embeddings, norms, lm head stay in "
-        "rollout_weight_dtype). The trainer keeps full precision. rollout_engine=jax only.")
+        "scales, quantized as a publish loads them, and an untied lm head too (embeddings and "
+        "norms stay in rollout_weight_dtype). The trainer keeps full precision. "
+        "rollout_engine=jax only.")
     quantize_kvcache: bool = key(
         False, "MaxText's name; here the jax engine's KV page pool: keys and values stored in "
         "kv_quant_dtype with a bfloat16 absmax scale per token and kv head, dequantized by the "
-        "XLA attention path (the TPU kernel is not used). rollout_engine=jax only.")
+        "XLA attention path; refused on TPU, whose kernel cannot read the scales. "
+        "rollout_engine=jax only.")
     kv_quant_dtype: Literal["int8", "fp8"] = key(
         "int8", "The KV pages' dtype under quantize_kvcache: int8, or fp8 (e4m3). MaxText's "
         "int4 is not taken.")
