@@ -105,3 +105,8 @@ def test_a_step_with_no_surviving_group_is_skipped(tmp_path):
     for r in records:
         assert r["surviving_groups"] == 0 and r["sampling_rounds"] == 3
         assert "loss" not in r and r["filtered_groups"] == 3 * 4  # 3 rounds x 4 groups
+        # Nothing trained, but the step's reward is over every completion it drew.
+        assert r["completions"] == 0 and r["drawn_completions"] == 3 * 4 * G
+        assert r["drawn_reward_sum"] == 0.5 * 3 * 4 * G
+    for rec in read_jsonl(tmp_path / "z" / "steps.jsonl"):
+        assert rec["reward_mean"] == 0.5

@@ -24,7 +24,7 @@ PHASES = ("admit", "generate", "reward", "pack", "train", "publish")
 HOST_FIELDS = (
     "step_s", *(f"{p}_s" for p in PHASES), "reward_sum", "correct_sum", "completions",
     "completion_tokens", "completion_len_max", "truncated", "prompt_tokens", "prompts",
-    "compiled",
+    "compiled", "drawn_reward_sum", "drawn_correct_sum", "drawn_completions",
 )
 
 
@@ -62,14 +62,15 @@ def global_record(step: int, per_host: np.ndarray, prompt_indices: list[int]) ->
     """Host 0's view of a step from every host's `host_vector` ([num_hosts, len(HOST_FIELDS)])."""
     h = {k: per_host[:, i] for i, k in enumerate(HOST_FIELDS)}
     completions = max(h["completions"].sum(), 1.0)
+    drawn = max(h["drawn_completions"].sum(), 1.0)  # before dynamic sampling dropped any
     return {
         "step": step,
         "step_s": float(h["step_s"].max()),
         "phase_s": {p: float(h[f"{p}_s"][0]) for p in PHASES},
         "generate_max_s": float(h["generate_s"].max()),
         "generate_mean_s": float(h["generate_s"].mean()),
-        "reward_mean": float(h["reward_sum"].sum() / completions),
-        "accuracy": float(h["correct_sum"].sum() / completions),
+        "reward_mean": float(h["drawn_reward_sum"].sum() / drawn),
+        "accuracy": float(h["drawn_correct_sum"].sum() / drawn),
         "prompt_indices": prompt_indices,
         "prompt_tokens_mean": float(h["prompt_tokens"].sum() / max(h["prompts"].sum(), 1.0)),
         "completion_len_mean": float(h["completion_tokens"].sum() / completions),

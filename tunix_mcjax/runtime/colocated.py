@@ -68,9 +68,10 @@ class ColocatedRuntime:
         # The policy has taken `step` train steps: its version, which the rollout carries.
         rollout = self.rollouts.rollout(step, step, self.history, timer)
         sampled: dict[str, float] = {}
+        drawn = [rollout]
         if cfg.dynamic_sampling:
-            rollout, sampled = dynamic_sampling.fill(cfg, self.rollouts, rollout, self.history,
-                                                     timer, self.watchdog)
+            rollout, sampled, drawn = dynamic_sampling.fill(
+                cfg, self.rollouts, rollout, self.history, timer, self.watchdog)
         local_devices = len(self.topo.local_devices)
         with timer.phase("pack"):
             lengths = rollout.length_pairs() if cfg.rl_balance_by_expected_output else None
@@ -93,7 +94,8 @@ class ColocatedRuntime:
         record = HostRecord.of(
             rollout, self.topo.host, timer.total(), timer.seconds,
             {**result.metrics, "nonfinite_steps": self.nonfinite.count, **sampled},
-            compiled=self.compiles.grew(), rows_per_device=k, train_compiled=result.compiled)
+            compiled=self.compiles.grew(), rows_per_device=k, train_compiled=result.compiled,
+            drawn=drawn)
         self.reporter.host_step(record)
 
     def _evaluate_after(self, end: StepEnd) -> None:

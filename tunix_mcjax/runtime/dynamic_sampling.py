@@ -67,12 +67,13 @@ def concat(parts: Sequence[Rollout]) -> Rollout:
 
 def fill(cfg: Config, rollouts, first: Rollout, history: stepmath.LengthHistory,
          timer: metrics.PhaseTimer, watchdog: topology.Watchdog | None
-         ) -> tuple[Rollout, dict[str, float]]:
-    """The step's surviving groups over refill rounds, and what was filtered (this host's
-    groups dropped, the rounds run, the global survivors)."""
+         ) -> tuple[Rollout, dict[str, float], list[Rollout]]:
+    """The step's surviving groups over refill rounds, what was filtered (this host's groups
+    dropped, the rounds run, the global survivors), and every round's rollout as drawn (the
+    step's reward and accuracy are over these: a filter must not move them)."""
     g, step = cfg.num_generations, first.step
     keep = varied_groups(first.rewards, g)
-    parts, dropped = [keep_groups(first, keep)], int((~keep).sum())
+    parts, dropped, drawn = [keep_groups(first, keep)], int((~keep).sum()), [first]
     rounds, total = 1, 0
     while True:
         total = _allgather_sum(sum(len(p.prompts) for p in parts), watchdog)
@@ -83,6 +84,7 @@ def fill(cfg: Config, rollouts, first: Rollout, history: stepmath.LengthHistory,
         more = rollouts.rollout(step, first.policy_version, history, timer, global_idx=idx,
                                 round_=rounds)
         keep = varied_groups(more.rewards, g) if more.prompts else np.zeros(0, bool)
+        drawn.append(more)
         parts.append(keep_groups(more, keep))
         dropped += int((~keep).sum())
         rounds += 1
@@ -90,7 +92,7 @@ def fill(cfg: Config, rollouts, first: Rollout, history: stepmath.LengthHistory,
     out = dataclasses.replace(out, seconds={p: timer.seconds.get(p, 0.0)
                                             for p in ("admit", "generate", "reward")})
     return out, {"filtered_groups": float(dropped), "sampling_rounds": float(rounds),
-                 "surviving_groups": float(total)}
+                 "surviving_groups": float(total)}, drawn
 
 
 def _allgather_sum(value: int, watchdog: topology.Watchdog | None) -> int:

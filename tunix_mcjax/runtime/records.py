@@ -5,6 +5,7 @@ global step record both modes produce."""
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -85,6 +86,11 @@ class HostRecord:
     truncated: int
     prompt_tokens: int
     compiled: int
+    # Every completion the step drew, before dynamic sampling dropped any group (without it,
+    # the same as the fields above): what the policy scored on each prompt it was given.
+    drawn_reward_sum: float
+    drawn_correct_sum: float
+    drawn_completions: int
     local_prompt_indices: list[int]
     completion_len_by_prompt: list[float]
     global_prompt_indices: list[int]
@@ -97,8 +103,10 @@ class HostRecord:
     @classmethod
     def of(cls, rollout: Rollout, host: int, step_s: float, phase_s: dict[str, float],
            train: dict[str, float], *, compiled: bool, rows_per_device: int,
-           train_compiled: bool) -> HostRecord:
-        """`phase_s`: seconds by phase (absent: 0); `train`: the trainer's metrics."""
+           train_compiled: bool, drawn: Sequence[Rollout] = ()) -> HostRecord:
+        """`phase_s`: seconds by phase (absent: 0); `train`: the trainer's metrics; `drawn`:
+        every rollout the step drew, when dynamic sampling kept only part of them."""
+        drawn = drawn or (rollout,)
         lens = np.array([len(c.tokens) for c in rollout.completions])
         adm = rollout.admission
         return cls(
@@ -109,6 +117,9 @@ class HostRecord:
             completion_len_max=int(lens.max()) if len(lens) else 0, prompts=len(rollout.prompts),
             truncated=sum(c.finish_reason == "length" for c in rollout.completions),
             prompt_tokens=sum(len(p) for p in rollout.prompts), compiled=int(compiled),
+            drawn_reward_sum=float(sum(r.rewards.sum() for r in drawn)),
+            drawn_correct_sum=float(sum(r.correct.sum() for r in drawn)),
+            drawn_completions=sum(len(r.completions) for r in drawn),
             local_prompt_indices=adm.local_indices.tolist(),
             completion_len_by_prompt=rollout.lengths_by_prompt().round(2).tolist(),
             global_prompt_indices=adm.global_indices.tolist(), train=dict(train),
