@@ -1,6 +1,7 @@
 """Quantized KV pages (`quantize_kvcache`, `kv_quant_dtype`: int8, fp8; `kv_quant_axis`: dkv,
 tensor) in the jax engine, on the XLA path and the TPU kernel's."""
 
+import json
 import os
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
@@ -11,6 +12,7 @@ import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 from jax.sharding import Mesh  # noqa: E402
 
+from tests.test_aot import TINY, needs_libtpu, run  # noqa: E402
 from tests.test_engine import PAD, VOCAB, params_of  # noqa: E402
 from tests.test_paged import (  # noqa: E402
     ReferenceKernelPages,
@@ -282,3 +284,29 @@ def test_the_tensor_mode_is_fp8_only_and_the_kernel_reads_it_on_tpu():
         assert isinstance(pa.layout_for(platform, devices, mesh=mesh, kv_heads=kv_heads,
                                         kv_mode=TENSOR), pa.TensorScaledPages)
     assert isinstance(pa.layout_for("tpu", 1, kv_heads=1), pa.CombinedPages)  # bf16 packs 2
+
+
+@needs_libtpu
+def test_tensor_mode_engine_compiles_for_tpu7x_with_fp8_pages(tmp_path):
+    """The AOT command compiles the tiny engine's loop under kv_quant_axis=tensor for TPU7x
+    (its 2 kv heads of 128 on one device: the kernel's layout, `layout_for`), and the pool
+    XLA updates in place is the planner's pages at head_dim bytes a token and head: fp8,
+    half of bf16's."""
+    from tunix_mcjax.aot.__main__ import load
+
+    keys = [*TINY, "quantize_kvcache=true", "kv_quant_dtype=fp8", "kv_quant_axis=tensor"]
+    out = run(["-m", "tunix_mcjax.aot", "recipes/cpu/demo.yml", *keys, "--topology",
+               "tpu7x:2x2x1", "--programs", "engine", "--json", str(tmp_path / "aot.json")])
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    result = json.loads((tmp_path / "aot.json").read_text())
+    [row] = result["compiled"]
+    assert row["compiled"] and row["fits"], row
+    cfg = load("recipes/cpu/demo.yml", keys)
+    cluster = plan.Cluster(result["hosts"], result["devices_per_host"], result["hbm_bytes"],
+                           tpu=True)
+    engine = plan.plan(cfg, cluster, plan.model_config_for(cfg)).engine
+    page_size = cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE  # 1 layer, a byte a value:
+    assert engine.page_bytes == page_size * 2 * cfg.base_num_kv_heads * 128
+    assert row["aliased"] == engine.pool_pages * engine.page_bytes
+    layout = pa.layout_for("tpu", 1, 128, kv_heads=cfg.base_num_kv_heads, kv_mode=TENSOR)
+    assert isinstance(layout, pa.CombinedPages) and layout.kv_scale is not None
