@@ -28,6 +28,7 @@ from tunix_mcjax.engine import paged_attention as pa  # noqa: E402
 from tunix_mcjax.engine.base import SamplingParams  # noqa: E402
 from tunix_mcjax.engine.jax_engine import JaxEngine  # noqa: E402
 from tunix_mcjax.engine.options import EngineOptions  # noqa: E402
+from tunix_mcjax.runtime.engines import engine_options  # noqa: E402
 
 MAX_NEW = 16
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, greedy=True, ignore_eos=True)
@@ -271,7 +272,7 @@ def test_the_tensor_mode_is_fp8_only_and_the_kernel_reads_it_on_tpu():
         EngineOptions(pad_id=0, eos_ids=(1,), max_prompt_length=4, max_new_tokens=4,
                       kv_quantization="int8_tensor")
     cfg = config.load_config(None, [*keys, "kv_quant_dtype=fp8"])
-    assert pages.kv_mode_of(cfg) == TENSOR
+    assert pages.kv_mode_of(cfg) == TENSOR == engine_options(cfg, 0, (1,)).kv_quantization
     assert pages.kv_mode_of(config.load_config(None, ["kv_quant_axis=tensor"])) == ""
     on_tpu = pa.layout_for("tpu", 1, kv_heads=8, kv_mode=TENSOR)
     assert isinstance(on_tpu, pa.CombinedPages) and on_tpu.kernel_scales() == {
