@@ -193,7 +193,7 @@ def paged_shape(cfg: Config, cluster: Cluster, m: ModelShape) -> PagedShape:
     page_size = cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE
     one_page = pages.page_bytes(m.layers, m.kv_heads, m.head_dim, page_size,
                                 DTYPE_BYTES[cfg.dtype], cfg.rollout_tensor_parallelism,
-                                cfg.kv_quant_dtype if cfg.quantize_kvcache else "")
+                                pages.kv_mode_of(cfg))
     return paged_shape_of(cfg, cluster, one_page, engine_weight_bytes(cfg, m))
 
 

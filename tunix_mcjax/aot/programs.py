@@ -138,8 +138,7 @@ def engine_model(cfg: Config, target: Target, mc_train) -> tuple[Qwen3PagedModel
     """The TPU decode model of one replica, and its param shapes."""
     mc = models.model_config(cfg, mc_train.vocab_size, for_sampling=True)
     mesh = target.replica_mesh(cfg.rollout_tensor_parallelism)
-    kv_mode = cfg.kv_quant_dtype if cfg.quantize_kvcache else ""
-    return tpu_model(mc, mesh, kv_mode), engine_params(mc, mesh, cfg.quantization)
+    return tpu_model(mc, mesh, pages.kv_mode_of(cfg)), engine_params(mc, mesh, cfg.quantization)
 
 
 def tpu_model(mc, mesh: Mesh, kv_mode: str = "") -> Qwen3PagedModel:
@@ -257,7 +256,7 @@ def step_programs(cfg: Config, target: Target, mc, p: plan.Plan,
     replica = target.replica_mesh(cfg.rollout_tensor_parallelism)
     weights = engine_params(engine_mc, replica)
     kept_pool = [] if cfg.free_kv_cache_during_weight_sync else pool_shapes(
-        tpu_model(engine_mc, replica, cfg.kv_quant_dtype if cfg.quantize_kvcache else ""),
+        tpu_model(engine_mc, replica, pages.kv_mode_of(cfg)),
         p.engine.pool_pages,
         p.engine.page_size)
     train.resident = (weights, kept_pool)

@@ -51,8 +51,8 @@ def json_object(cfg: Keys, key: str) -> dict[str, Any]:
 def check_rules(cfg: Keys) -> None:
     """Every cross-key rule that needs no cluster shape. Raises ConfigError."""
     for rule in (_vllm, _kv_pool, _disaggregated, _runtime, _lengths_and_sampling,
-                 _model_and_data, _train_memory, _lora, _quantization, _evaluation_and_profiler,
-                 _rollout_correction, agentic_rules.check):
+                 _model_and_data, _train_memory, _lora, _quantization, _kv_quant_axis,
+                 _evaluation_and_profiler, _rollout_correction, agentic_rules.check):
         rule(cfg)
 
 
@@ -213,6 +213,15 @@ def _quantization(cfg: Keys) -> None:
         raise ConfigError(f"quantize_kvcache=true: rollout_engine={cfg.rollout_engine} does not "
                           "quantize its KV pages yet (the jax engine does); use "
                           "rollout_engine=jax, or drop quantize_kvcache")
+
+
+def _kv_quant_axis(cfg: Keys) -> None:
+    """A static per-tensor KV scale is 1.0, which only fp8's range takes."""
+    if cfg.quantize_kvcache and cfg.kv_quant_axis == "tensor" and cfg.kv_quant_dtype != "fp8":
+        raise ConfigError(f"kv_quant_axis=tensor kv_quant_dtype={cfg.kv_quant_dtype}: a static "
+                          "per-tensor scale of 1.0 fits fp8's range, and int8 would need a "
+                          "calibrated scale the engine does not have; use kv_quant_dtype=fp8, "
+                          "or kv_quant_axis=dkv")
 
 
 def _evaluation_and_profiler(cfg: Keys) -> None:

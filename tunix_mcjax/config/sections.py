@@ -163,15 +163,19 @@ class Rollout:
         "rollout_engine=jax only.")
     quantize_kvcache: bool = key(
         False, "MaxText's name; here the jax engine's KV page pool: keys and values stored in "
-        "kv_quant_dtype with a bfloat16 absmax scale per token and kv head, dequantized by the "
-        "XLA attention path; refused on TPU, whose kernel cannot read the scales. "
-        "rollout_engine=jax only.")
+        "kv_quant_dtype, scaled as kv_quant_axis says. dkv: a bfloat16 absmax scale per token "
+        "and kv head, dequantized by the XLA attention path, refused on TPU (the kernel cannot "
+        "read those scales); tensor: fp8 under one static scale, read by the TPU kernel and by "
+        "the XLA path elsewhere. rollout_engine=jax only.")
     kv_quant_dtype: Literal["int8", "fp8"] = key(
         "int8", "The KV pages' dtype under quantize_kvcache: int8, or fp8 (e4m3). MaxText's "
         "int4 is not taken.")
-    kv_quant_axis: Literal["dkv"] = key(
-        "dkv", "MaxText's name: the axes one KV scale spans. Only dkv (one scale per token and "
-        "kv head, over head_dim) is honoured; MaxText's heads_and_dkv is refused.")
+    kv_quant_axis: Literal["dkv", "tensor"] = key(
+        "dkv", "MaxText's name: the axes one KV scale spans. dkv: one absmax scale per token and "
+        "kv head, over head_dim. tensor (ours; MaxText has no such value): one static scale for "
+        "all keys and one for all values, 1.0 each (vLLM's kv_cache_dtype=fp8 without "
+        "calibrated scales), values clipped to fp8's +-448; fp8 only (int8 would need a "
+        "calibrated scale). MaxText's heads_and_dkv is refused.")
 
 
 @section

@@ -30,6 +30,7 @@ from tunix_mcjax.engine.buckets import pack_prompts, pow2_at_least, prompt_bucke
 from tunix_mcjax.engine.completions import completion_of, stats_of
 from tunix_mcjax.engine.decode_loop import build_program
 from tunix_mcjax.engine.keys import generate_keys, request_keys
+from tunix_mcjax.engine.kv_quant import check_tpu_kv_mode
 from tunix_mcjax.engine.layer_stack import StackedParams
 from tunix_mcjax.engine.loop_state import DecodeModel, Inputs, Outputs, ProgramShape
 from tunix_mcjax.engine.options import EngineOptions, options_of
@@ -147,12 +148,8 @@ class JaxEngine(Engine):
 
     def _decode_model(self, mesh: Mesh) -> DecodeModel:
         platform = mesh.devices.flat[0].platform
-        if self.options.kv_quantization and platform == "tpu":
-            raise ValueError(
-                "quantize_kvcache=true on TPU: the Pallas kernel cannot read per-token scales, "
-                "and XLA's attention over quantized pages holds temporaries the planner does "
-                "not count (Qwen3-0.6B on TPU7x: 46.76 GiB against 1.56 for bf16 pages, "
-                "docs/engines.md); set quantize_kvcache=false on TPU")
+        if platform == "tpu":
+            check_tpu_kv_mode(self.options.kv_quantization)
         return Qwen3PagedModel(self.model_config, mesh, layout_for(
             platform, mesh.devices.size, self.model_config.head_dim, mesh=mesh,
             kv_heads=self.model_config.num_kv_heads, kv_mode=self.options.kv_quantization,

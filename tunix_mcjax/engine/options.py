@@ -29,8 +29,8 @@ class EngineOptions:
     prefills. `prefix_caching` lets the requests of one prompt share its pages. The pool is made
     on first use and kept, unless `free_pool_after_generate` (a colocated trainer wants the
     memory between rollouts). `quantization` (int8, fp8; "" none) is the dtype the jax engine
-    holds its projection weights in (`engine.quantize`); `kv_quantization` (int8, fp8; "" none)
-    its KV pages' (`paged_attention.QuantizedPages`)."""
+    holds its projection weights in (`engine.quantize`); `kv_quantization` its KV pages' ("" none;
+    `pages.KV_MODES`: int8, fp8 with per-token scales, or fp8_tensor with one static scale)."""
 
     pad_id: int
     eos_ids: tuple[int, ...]

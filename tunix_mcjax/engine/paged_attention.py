@@ -19,15 +19,18 @@ sees keys at positions p - window < k <= p, by token position, MaxText's LOCAL_S
   row rounded up to the next of a few sizes (a `lax.switch` over them, at most 25% past it), so
   a step costs what its live tokens cost, not what the caps would; a prefill chunk over its
   prompt's table (the prompt bucket's pages).
-- `QuantizedPages` (any platform, `quantize_kvcache`): SplitPages' arrays in int8 or fp8 with
-  a scale per token and kv head, quantized as written and dequantized as gathered.
+- `QuantizedPages` (CPU, GPU; `quantize_kvcache`, `kv_quant_axis=dkv`): SplitPages' arrays in
+  int8 or fp8 with a scale per token and kv head, dequantized as gathered (`kv_quant`).
+- `TensorScaledPages` (CPU, GPU; `kv_quant_axis=tensor`): SplitPages' arrays in fp8 under one
+  static scale for all keys and one for all values (`kv_quant.StaticKvScale`), no scale arrays.
 - `GpuPages` (GPU): SplitPages' arrays; decode rows (one query each, no window or sinks) go
   through JAX's Pallas GPU `paged_attention` kernel, everything else through SplitPages' path.
 - `CombinedPages` (TPU): one array `[pages, page_size, 2 * kv_heads, head_dim]`, keys at even and
   values at odd heads, read by the Pallas kernel shipped with JAX after packing the rows'
   queries into its token layout (`rpa_arguments`). The kernel only reads; the model writes.
   On a replica of several devices it runs on each device's heads (`shard_map` over the heads
-  axis: XLA does not partition a Pallas call).
+  axis: XLA does not partition a Pallas call). With a `kv_quant.StaticKvScale` its pages are
+  fp8 and the kernel dequantizes them with the scale's `k_scale`/`v_scale`.
 
 A model that scans its layers keeps one stacked pool (`empty(..., layers=L)`) in the scan's carry
 and passes each method the layer's index (`layer`): writes and reads index the pool at (layer,
@@ -38,7 +41,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import warnings
 from typing import Any
 
@@ -49,6 +51,13 @@ from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3.model import K_MASK
 
 from tunix_mcjax.engine import pages as pages_lib
+from tunix_mcjax.engine.kv_quant import (
+    StaticKvScale,
+    dequantize_kv,
+    quantize_kv,
+    static_kv_scale,
+)
+from tunix_mcjax.engine.rpa_tuning import kernel_takes_heads, rpa_block_sizes, target_device_kind
 
 
 def attend_keys(qg, k, v, q_pos, k_pos, k_live, *, window: int | None = None,
@@ -316,26 +325,6 @@ class SplitPages:
                               first)
 
 
-# A quantized dtype's largest magnitude: a (token, head)'s absmax maps to it.
-KV_QMAX = {"int8": 127.0, "fp8": 448.0}
-
-
-def quantize_kv(x: jax.Array, mode: str) -> tuple[jax.Array, jax.Array]:
-    """x [..., H] -> (values [..., H] in `mode`'s dtype, bfloat16 scales [..., 1]): one absmax
-    scale per vector over its last axis (a token's kv head), so x ~ values * scales."""
-    absmax = jnp.max(jnp.abs(x.astype(jnp.float32)), axis=-1, keepdims=True)
-    scale = jnp.where(absmax > 0, absmax / KV_QMAX[mode], 1.0).astype(jnp.bfloat16)
-    scaled = jnp.clip(x.astype(jnp.float32) / scale.astype(jnp.float32), -KV_QMAX[mode],
-                      KV_QMAX[mode])
-    values = jnp.round(scaled) if mode == "int8" else scaled
-    return values.astype(pages_lib.KV_MODES[mode]), scale
-
-
-def dequantize_kv(values: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """`quantize_kv` undone: values * scales, in `dtype`."""
-    return (values.astype(jnp.float32) * scale.astype(jnp.float32)).astype(dtype)
-
-
 class QuantizedPages(SplitPages):
     """SplitPages' layout with int8 or fp8 (e4m3) pages (`mode`): the pool is (keys, values,
     key scales, value scales), the scales bfloat16 `[kv_heads, (layers,) pages, page_size, 1]`,
@@ -344,7 +333,8 @@ class QuantizedPages(SplitPages):
     the tokens already there. A write quantizes; a read dequantizes the gathered pages to
     `dtype` before XLA's attention, so the arithmetic is SplitPages' on the dequantized keys
     and values. Not the TPU kernel: its `k_scale`/`v_scale` are one static float for the
-    whole pool, not per-token scales (`layout_for` picks this layout on every platform)."""
+    whole pool, not per-token scales (`TensorScaledPages` and `paged_attention.CombinedPages`
+    take those; the engine refuses this layout on TPU, `kv_quant.check_tpu_kv_mode`)."""
 
     def __init__(self, mode: str, dtype: Any = jnp.bfloat16):
         self.mode, self.dtype = pages_lib.check_kv_mode(mode), dtype
@@ -369,6 +359,32 @@ class QuantizedPages(SplitPages):
         """Each row's dequantized keys and values [K, R, num_pages * page_size, H]."""
         k, v, k_scale, v_scale = (self.gather(x, tables, num_pages, layer) for x in pool)
         return dequantize_kv(k, k_scale, self.dtype), dequantize_kv(v, v_scale, self.dtype)
+
+
+class TensorScaledPages(SplitPages):
+    """SplitPages' layout with fp8 pages under one static scale for all keys and one for all
+    values (`StaticKvScale`): no scale arrays, so a page is head_dim bytes a token and kv head.
+    A write stores, a read dequantizes the gathered pages to `dtype` with the same constants
+    the TPU kernel takes, and XLA attends them as SplitPages does (CPU, GPU)."""
+
+    def __init__(self, kv_scale: StaticKvScale, dtype: Any = jnp.bfloat16):
+        self.kv_scale, self.dtype = kv_scale, dtype
+
+    def empty(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
+              dtype: Any, layers: int | None = None) -> tuple[jax.Array, jax.Array]:
+        return super().empty(num_pages, page_size, kv_heads, head_dim, self.kv_scale.dtype,
+                             layers)
+
+    def write(self, pool, pages, offsets, k, v, layer=None):
+        return tuple(self.put(x, new, pages, offsets, layer)
+                     for x, new in zip(pool, self.kv_scale.store_kv(k, finite_values(v)),
+                                       strict=True))
+
+    def sequences(self, pool, tables, num_pages: int, layer=None):
+        """Each row's dequantized keys and values [K, R, num_pages * page_size, H]."""
+        k, v = (self.gather(x, tables, num_pages, layer) for x in pool)
+        scale = self.kv_scale
+        return scale.load(k, scale.k_scale, self.dtype), scale.load(v, scale.v_scale, self.dtype)
 
 
 class GpuPages(SplitPages):
@@ -421,15 +437,19 @@ class CombinedPages:
     With `mesh`, a replica whose `heads_axis` spans several devices (tensor parallelism), the
     kernel runs on each device's query heads and combined heads: the pool is split by combined
     heads over that axis (`spec`), so a device holds whole kv heads, keys and values, with the
-    query heads of their groups when the kv heads divide by the devices (`layout_for`)."""
+    query heads of their groups when the kv heads divide by the devices (`layout_for`).
 
-    def __init__(self, mesh: Mesh | None = None, heads_axis: str = "tp"):
-        self.mesh, self.heads_axis = mesh, heads_axis
+    With `kv_scale` (`kv_quant_axis=tensor`) the pool is in its dtype (fp8): a write stores
+    keys and values by its scales, and the kernel reads them with its `k_scale`/`v_scale`."""
+
+    def __init__(self, mesh: Mesh | None = None, heads_axis: str = "tp",
+                 kv_scale: StaticKvScale | None = None):
+        self.mesh, self.heads_axis, self.kv_scale = mesh, heads_axis, kv_scale
 
     def empty(self, num_pages: int, page_size: int, kv_heads: int, head_dim: int,
               dtype: Any, layers: int | None = None) -> jax.Array:
         return jnp.zeros((*([layers] if layers else []), num_pages, page_size, 2 * kv_heads,
-                          head_dim), dtype)
+                          head_dim), dtype if self.kv_scale is None else self.kv_scale.dtype)
 
     def spec(self, pages_axis: str | None) -> P:
         """The partition of the stacked pool: combined heads over the heads axis (and pages over
@@ -437,7 +457,10 @@ class CombinedPages:
         return P(None, pages_axis, None, self.heads_axis, None)
 
     def write(self, pool, pages, offsets, k, v, layer=None):
-        kv = jnp.stack([k, finite_values(v)], axis=-2)  # [..., K, 2, H]: k, v alternate
+        k, v = k, finite_values(v)
+        if self.kv_scale is not None:
+            k, v = self.kv_scale.store_kv(k, v)
+        kv = jnp.stack([k, v], axis=-2)  # [..., K, 2, H]: k, v alternate
         kv = kv.reshape(*k.shape[:-2], 2 * k.shape[-2], k.shape[-1])
         at = () if layer is None else (layer,)
         return pool.at[(*at, pages, offsets)].set(kv.astype(pool.dtype), mode="drop")
@@ -454,11 +477,16 @@ class CombinedPages:
         return pool.reshape(-1, *pool.shape[-3:]), jnp.maximum(tables, 0) + first_page
 
     def sequences(self, pool, tables, num_pages: int, layer=None):
-        """Each row's keys and values [K, R, num_pages * page_size, H] (as SplitPages')."""
+        """Each row's keys and values [K, R, num_pages * page_size, H] (as SplitPages'),
+        dequantized to float32 under a `kv_scale` (XLA's attention promotes the queries)."""
         flat, tables = self.pages_of(pool, tables, layer)
         g = flat[tables[:, :num_pages]]  # [R, n, page, 2K, H]
         g = jnp.moveaxis(g.reshape(tables.shape[0], -1, *g.shape[3:]), 2, 0)  # [2K, R, L, H]
-        return g[0::2], g[1::2]
+        if self.kv_scale is None:
+            return g[0::2], g[1::2]
+        load, scale = self.kv_scale.load, self.kv_scale
+        return (load(g[0::2], scale.k_scale, jnp.float32),
+                load(g[1::2], scale.v_scale, jnp.float32))
 
     def attend(self, q, pool, tables, kv_lens, q_lens, *, prefix: SharedPrefix | None = None,
                window: int | None = None, sinks=None, scale: float | None = None,
@@ -471,13 +499,19 @@ class CombinedPages:
         (packed, *rest), where = rpa_arguments(q, tables, kv_lens, q_lens)
         kernel = functools.partial(self.kernel, sm_scale=q.shape[-1]**-0.5 if scale is None
                                    else scale, sliding_window=window or None,
-                                   soft_cap=soft_cap or None)
+                                   soft_cap=soft_cap or None, **self.kernel_scales())
         if self.mesh is not None and self.mesh.shape[self.heads_axis] > 1:
             heads = P(None, self.heads_axis, None)
             kernel = jax.shard_map(kernel, mesh=self.mesh, check_vma=False,
                                    in_specs=(heads, P(None, None, self.heads_axis, None),
                                              *[P()] * len(rest)), out_specs=heads)
         return unpack_rows(kernel(packed, kv_pages, *rest), where, q.shape)
+
+    def kernel_scales(self) -> dict[str, float]:
+        """The kernel's `k_scale`/`v_scale` (static floats) under a `kv_scale`; none else."""
+        if self.kv_scale is None:
+            return {}
+        return {"k_scale": self.kv_scale.k_scale, "v_scale": self.kv_scale.v_scale}
 
     @staticmethod
     def kernel(packed, kv_pages, lens, indices, cu_q_lens, num_seqs, **options) -> jax.Array:
@@ -491,42 +525,6 @@ class CombinedPages:
                                       **options, **rpa_block_sizes(
                                           target_device_kind(), packed, kv_pages,
                                           indices.shape[1]))
-
-
-# VMEM per TensorCore by TPU device kind (jax._src.tpu_info); the kernel may use 3/4 of it.
-TPU_VMEM_BYTES = {"TPU v4": 16 << 20, "TPU v4 lite": 16 << 20, "TPU v5 lite": 128 << 20,
-                  "TPU v5e": 128 << 20, "TPU v5": 64 << 20, "TPU v5p": 64 << 20,
-                  "TPU v6 lite": 128 << 20, "TPU v6e": 128 << 20, "TPU7x": 64 << 20}
-
-
-def target_device_kind() -> str:
-    """The device kind a program is being lowered for: the abstract mesh's (set when
-    compiling for a TPU topology from another host, `tunix_mcjax.aot`), else the default
-    device's."""
-    abstract = jax.sharding.get_abstract_mesh().abstract_device
-    return (abstract or jax.devices()[0]).device_kind
-
-
-def rpa_block_sizes(device_kind: str, q: jax.Array, pages: jax.Array,
-                    pages_per_seq: int) -> dict[str, int]:
-    """`ragged_paged_attention`'s block sizes and VMEM limit for `device_kind`: JAX's tuned
-    table, looked up for the target (the kernel's own lookup reads the default device, so a
-    program compiled on a CPU host for a TPU would fail) and its defaults where untuned."""
-    from jax.experimental.pallas.ops.tpu.ragged_paged_attention import kernel, tuned_block_sizes
-
-    if device_kind not in TPU_VMEM_BYTES:
-        raise ValueError(f"CombinedPages runs JAX's TPU kernel, which has no block sizes for "
-                         f"device kind {device_kind!r} (TPU v4 or later); use SplitPages")
-    q_heads, kv_heads = kernel.get_min_heads_per_blk(q.shape[1], pages.shape[2], q.dtype,
-                                                     pages.dtype)
-    key = tuned_block_sizes.simplify_key((q.dtype, pages.dtype, q_heads, kv_heads // 2,
-                                          q.shape[2], pages.shape[1], q.shape[0], pages_per_seq))
-    generation = "TPU v" + re.search(r"TPU\s*v?(\d+)", device_kind).group(1)  # the table's
-    kv_pages, queries = (32, 32) if generation == "TPU v4" else \
-        tuned_block_sizes.TUNED_BLOCK_SIZES.get(generation, {}).get(key, (128, 32))
-    return {"num_kv_pages_per_block": min(pages_per_seq, kv_pages),
-            "num_queries_per_block": min(q.shape[0], queries),
-            "vmem_limit_bytes": TPU_VMEM_BYTES[device_kind] * 3 // 4}
 
 
 def rpa_arguments(q, tables, kv_lens, q_lens):
@@ -562,17 +560,25 @@ def layout_for(platform: str, devices: int = 1, head_dim: int = KERNEL_HEAD_DIM,
                mesh: Mesh | None = None, kv_heads: int | None = None, heads_axis: str = "tp",
                kv_mode: str = "", dtype: Any = jnp.bfloat16) -> SplitPages | CombinedPages:
     """The page layout of a replica mesh of `devices` devices on `platform`, for heads
-    `head_dim` wide. With `kv_mode` (int8, fp8) `QuantizedPages` in `dtype` on every platform
-    (neither Pallas kernel takes per-token scales). On TPU the Pallas `ragged_paged_attention`
-    for KERNEL_HEAD_DIM heads: on one device, or on each device's heads of a replica `mesh`
-    (split over `heads_axis`) whose devices divide the `kv_heads`. On GPU the Pallas decode
-    kernel on a one-device replica (XLA does not partition a Pallas call over a mesh). XLA's
-    attention otherwise."""
-    if kv_mode:
+    `head_dim` wide, computing in `dtype`. With `kv_mode` int8 or fp8 (`kv_quant_axis=dkv`)
+    `QuantizedPages` on every platform (neither Pallas kernel takes per-token scales; the
+    engine refuses it on TPU, `kv_quant.check_tpu_kv_mode`). On TPU the Pallas
+    `ragged_paged_attention` for KERNEL_HEAD_DIM heads (in fp8 with `k_scale`/`v_scale` under
+    a per-tensor mode, fp8_tensor): on one device, or on each device's heads of a replica
+    `mesh` (split over `heads_axis`) whose devices divide the `kv_heads` as the kernel tiles
+    them (`kernel_takes_heads`). On GPU the Pallas decode kernel on a one-device replica (XLA
+    does not partition a Pallas call over a mesh). XLA's attention otherwise
+    (`TensorScaledPages` under a per-tensor mode)."""
+    kv_scale = static_kv_scale(kv_mode)
+    if kv_mode and kv_scale is None:
         return QuantizedPages(kv_mode, dtype)
-    if platform == "tpu" and head_dim == KERNEL_HEAD_DIM:
+    kv_dtype = dtype if kv_scale is None else kv_scale.dtype
+    if platform == "tpu" and head_dim == KERNEL_HEAD_DIM \
+            and kernel_takes_heads(kv_heads, devices, kv_dtype):
         if devices == 1:
-            return CombinedPages()
-        if mesh is not None and kv_heads is not None and kv_heads % devices == 0:
-            return CombinedPages(mesh, heads_axis)
+            return CombinedPages(kv_scale=kv_scale)
+        if mesh is not None:
+            return CombinedPages(mesh, heads_axis, kv_scale)
+    if kv_scale is not None:
+        return TensorScaledPages(kv_scale, dtype)
     return GpuPages() if platform == "gpu" and devices == 1 else SplitPages()

@@ -18,17 +18,35 @@ import jax.numpy as jnp
 
 DEFAULT_PAGE_SIZE = 16  # tokens per page (`vllm_block_size`), vLLM's GPU default
 
-# `kv_quantization` (`quantize_kvcache` with `kv_quant_dtype`) -> the stored dtype of K/V pages,
-# each (token, kv head) with one bfloat16 absmax scale over head_dim.
-KV_MODES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn}
+# `kv_quantization` (`quantize_kvcache`, `kv_quant_dtype`, `kv_quant_axis`: `kv_mode_of`) -> the
+# stored dtype of K/V pages. "int8", "fp8" (kv_quant_axis=dkv): each (token, kv head) with one
+# bfloat16 absmax scale over head_dim. "fp8_tensor" (kv_quant_axis=tensor): one static scale
+# for all keys and one for all values, no scale arrays (KV_TENSOR_MODES).
+KV_MODES = {"int8": jnp.int8, "fp8": jnp.float8_e4m3fn, "fp8_tensor": jnp.float8_e4m3fn}
+KV_TENSOR_MODES = ("fp8_tensor",)
 KV_SCALE_BYTES = 2
 
 
+def kv_mode_of(cfg) -> str:
+    """The engine's `kv_quantization` mode from a config's quantize_kvcache, kv_quant_dtype and
+    kv_quant_axis ("" when off)."""
+    if not cfg.quantize_kvcache:
+        return ""
+    axis = cfg.kv_quant_axis
+    return cfg.kv_quant_dtype if axis == "dkv" else f"{cfg.kv_quant_dtype}_{axis}"
+
+
 def check_kv_mode(mode: str) -> str:
-    """`mode` if it is "" (off) or one of KV_MODES; else a ValueError naming the key."""
+    """`mode` if it is "" (off) or one of KV_MODES; else a ValueError naming the keys."""
+    dtype, _, axis = mode.partition("_")
+    if axis == "tensor" and mode not in KV_TENSOR_MODES:
+        raise ValueError(f"kv_quant_dtype={dtype} kv_quant_axis=tensor: {dtype} pages under "
+                         "one static scale need a calibrated scale, which the engine does not "
+                         "have (fp8's range takes scale 1.0, vLLM's default); use "
+                         "kv_quant_dtype=fp8, or kv_quant_axis=dkv")
     if mode and mode not in KV_MODES:
-        raise ValueError(f"kv_quant_dtype={mode!r}: the jax engine's KV pages are "
-                         f"{' or '.join(KV_MODES)} (or \"\" for none)")
+        raise ValueError(f"kv_quant_dtype={mode!r}: the jax engine's KV pages are int8 or fp8 "
+                         "by token and head, or fp8_tensor (or \"\" for none)")
     return mode
 
 
@@ -39,8 +57,11 @@ def cdiv(a: int, b: int) -> int:
 def page_bytes(num_layers: int, kv_heads: int, head_dim: int, page_size: int,
                dtype_bytes: int, tensor_parallelism: int = 1, kv_mode: str = "") -> int:
     """Bytes one page takes on one device, over all layers (keys and values); under `kv_mode`
-    a byte a value plus each (token, kv head)'s scale."""
-    per_head = head_dim * dtype_bytes if not kv_mode else head_dim + KV_SCALE_BYTES
+    a byte a value, plus each (token, kv head)'s scale unless the mode's scale is per tensor."""
+    if not kv_mode:
+        per_head = head_dim * dtype_bytes
+    else:
+        per_head = head_dim + (0 if kv_mode in KV_TENSOR_MODES else KV_SCALE_BYTES)
     return num_layers * page_size * 2 * kv_heads * per_head // tensor_parallelism
 
 

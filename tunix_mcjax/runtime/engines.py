@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from tunix_mcjax.config import Config, ConfigError
-from tunix_mcjax.engine import Engine
+from tunix_mcjax.engine import Engine, pages
 from tunix_mcjax.engine.options import EngineOptions
 
 
@@ -26,7 +26,7 @@ def engine_options(cfg: Config, pad_id: int, eos_ids: tuple[int, ...]) -> Engine
         prefix_caching=cfg.enable_prefix_caching,
         free_pool_after_generate=cfg.free_kv_cache_during_weight_sync,
         quantization=cfg.quantization,
-        kv_quantization=cfg.kv_quant_dtype if cfg.quantize_kvcache else "",
+        kv_quantization=pages.kv_mode_of(cfg),
         **{key: value for key, value in pool.items() if value},
     )
 
