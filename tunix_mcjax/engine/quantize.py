@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import qwix
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -152,3 +153,38 @@ def weight_bytes(path: LeafPath, shape: tuple[int, ...], itemsize: int, mode: st
         return values * itemsize
     scales = math.prod(1 if i in contracted else dim for i, dim in enumerate(shape))
     return values * VALUE_BYTES + scales * SCALE_BYTES
+
+
+def host_leaf(path: LeafPath, leaf: jax.Array, mode: str, dtype: Any) -> Any:
+    """One leaf of a publish's host copy in the form an engine holding its weights in `dtype`
+    under `quantization=mode` keeps it (`leaf`: a full copy on one device; dtype None: as it
+    is). Cast to `dtype` on that device, as the engine's load casts; then a projection is
+    quantized as `quantize_leaf` would quantize it there, a QArray of numpy values and scales;
+    any other leaf is numpy."""
+    if dtype is not None and jnp.issubdtype(leaf.dtype, jnp.floating):
+        leaf = leaf.astype(dtype)
+    contracted = contracted_axes(path)
+    if not check_mode(mode) or contracted is None:
+        return np.asarray(leaf)
+    quantized = _quantizer(mode, contracted, leaf.ndim, leaf.sharding)(leaf)
+    return jax.tree.map(np.asarray, quantized)
+
+
+def place_quantized(path: LeafPath, leaf: qwix.QArray, sharding: Any, mode: str) -> qwix.QArray:
+    """A QArray quantized before the load (`host_leaf`) placed as `quantize_leaf` would hold
+    it: values on `sharding`, scales whole along the contracted axes. A ValueError when the
+    engine would not have quantized the leaf so (another mode, or a leaf it keeps whole)."""
+    contracted = contracted_axes(path)
+    want = MODES.get(check_mode(mode)) if contracted is not None else None
+    scale_shape = tuple(1 if i in (contracted or ()) else d for i, d in enumerate(leaf.shape))
+    if want is None or jnp.dtype(leaf.qtype) != jnp.dtype(want) or \
+            tuple(leaf.scale.shape) != scale_shape:
+        held = f"in {jnp.dtype(want).name} with scales {scale_shape}" if want else "unquantized"
+        raise ValueError(
+            f"param {'/'.join(path)} arrives quantized to {jnp.dtype(leaf.qtype).name} with "
+            f"scales {tuple(leaf.scale.shape)}, but this engine (quantization={mode!r}) holds "
+            f"it {held}: publish with the engine's quantization")
+    return qwix.QArray(qvalue=jax.device_put(leaf.qvalue, sharding),
+                       scale=jax.device_put(leaf.scale, _scale_sharding(sharding, contracted,
+                                                                         leaf.ndim)),
+                       qtype=leaf.qtype)
