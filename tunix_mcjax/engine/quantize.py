@@ -2,9 +2,11 @@
 holds them (`quantization`).
 
 The engine quantizes each projection matrix of a decoder layer (attention q/k/v/o, MLP
-gate/up/down) and an untied lm head when its weights are loaded (a publish), into a
-`qwix.QArray`: the values in int8 or float8_e4m3fn and one float32 absmax scale per output
-channel (every axis the einsum does not contract, the layer axis of a stacked leaf included).
+gate/up/down) and an untied lm head when its weights are loaded (a publish; under the
+disaggregated mode the trainer leader quantizes them before its put, `host_leaf`, and the
+engine places them as they come, `place_quantized`), into a `qwix.QArray`: the values in
+int8 or float8_e4m3fn and one float32 absmax scale per output channel (every axis the einsum
+does not contract, the layer axis of a stacked leaf included).
 The lm head is read whole every decode step, as the layers are; it is 8% of Qwen3-8B's
 weights, and Qwen3-8B's int8 engine copy is 58% of bf16's without it, 54% with it. The rest
 stays in the engine's weight dtype: the embedding table (a gather reads a few rows per token, so

@@ -8,10 +8,12 @@ running the shared phases (`runtime.phases`) of its side of the step.
   `phases.pack` (rows per device agreed in the trainers' exchange) and `TrainPhase` (the
   colocated mode's FSDP update, off-policy against the engine's behaviour logprobs), then the
   publish: the leader `ray.put`s one host copy of the new weights, once per version; every
-  rollout actor fetches that one object. With LoRA only the first publish is the whole tree;
-  later ones are the adapters, and a rollout actor without the base (a restarted one) fetches
-  the first object too. An update skipped as non-finite changed nothing, so it publishes
-  nothing: the version and its object stay the last published ones.
+  rollout actor fetches that one object. Under `quantization` the copy is the engine's form
+  (`publish_form`): the projections arrive quantized, half of bf16's bytes. With LoRA only the
+  first publish is the whole tree; later ones are the adapters, and a rollout actor without
+  the base (a restarted one) fetches the first object too. An update skipped as non-finite
+  changed nothing, so it publishes nothing: the version and its object stay the last
+  published ones.
 """
 
 from __future__ import annotations
@@ -238,7 +240,8 @@ class TrainerWorker:
     def publish(self) -> dict:
         """Phase 6: every trainer joins the gather of the full weights (with LoRA after the first
         publish, the adapters); the leader puts one host copy into the object store.
-        {"version", "weights": [ref] or [ref, first ref] (leader) or None, ...}."""
+        {"version", "weights": [ref] or [ref, first ref] (leader) or None, "publish_bytes":
+        of the object put (0 on a trainer that puts none), ...}."""
         t0 = time.perf_counter()
         adapters_only = self.trainer.lora and self.version > 0
         params = self.trainer.engine_params(adapters_only=adapters_only)
