@@ -95,6 +95,20 @@ def test_the_put_object_takes_a_byte_a_value_plus_scales():
     assert tree_bytes(published) <= pickled < tree_bytes(published) + 16384
 
 
+def test_a_publish_casts_only_where_it_narrows():
+    """bf16 trainer weights for a float32 engine: the embedding goes as bf16 (the engine's cast
+    up is exact), a projection is quantized from its float32 cast, as the engine would."""
+    table = jax.random.normal(jax.random.key(0), (8, 4), jnp.bfloat16)
+    kept = quantize.host_leaf(("embedder", "input_embedding"), table, "int8", jnp.float32)
+    assert kept.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(kept, table)
+    path = ("layers", "0", "mlp", "up_proj", "kernel")
+    got = quantize.host_leaf(path, table, "int8", jnp.float32)
+    want = quantize.quantize_leaf(path, jax.device_put(table.astype(jnp.float32), NamedSharding(
+        Mesh(np.array(jax.devices()[:1]), ("tp",)), P())), "int8")
+    jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
 def test_a_leaf_quantized_otherwise_is_refused_by_name():
     """A QArray of another mode, or for an engine that does not quantize, is refused naming the
     param and the key (never placed as if it fitted)."""

@@ -160,16 +160,17 @@ def weight_bytes(path: LeafPath, shape: tuple[int, ...], itemsize: int, mode: st
 def host_leaf(path: LeafPath, leaf: jax.Array, mode: str, dtype: Any) -> Any:
     """One leaf of a publish's host copy in the form an engine holding its weights in `dtype`
     under `quantization=mode` keeps it (`leaf`: a full copy on one device; dtype None: as it
-    is). Cast to `dtype` on that device, as the engine's load casts; then a projection is
-    quantized as `quantize_leaf` would quantize it there, a QArray of numpy values and scales;
-    any other leaf is numpy."""
-    if dtype is not None and jnp.issubdtype(leaf.dtype, jnp.floating):
+    is). A projection is cast to `dtype` and quantized on that device as the engine's load
+    would cast and quantize it (`quantize_leaf`), a QArray of numpy values and scales; any
+    other leaf is numpy, cast to `dtype` only where that narrows it (the engine casts alike)."""
+    contracted = contracted_axes(path) if check_mode(mode) and dtype is not None else None
+    if contracted is not None:
+        quantized = _quantizer(mode, contracted, leaf.ndim, leaf.sharding)(leaf.astype(dtype))
+        return jax.tree.map(np.asarray, quantized)
+    if dtype is not None and jnp.issubdtype(leaf.dtype, jnp.floating) and \
+            jnp.dtype(dtype).itemsize < leaf.dtype.itemsize:
         leaf = leaf.astype(dtype)
-    contracted = contracted_axes(path)
-    if not check_mode(mode) or contracted is None:
-        return np.asarray(leaf)
-    quantized = _quantizer(mode, contracted, leaf.ndim, leaf.sharding)(leaf)
-    return jax.tree.map(np.asarray, quantized)
+    return np.asarray(leaf)
 
 
 def place_quantized(path: LeafPath, leaf: qwix.QArray, sharding: Any, mode: str) -> qwix.QArray:
