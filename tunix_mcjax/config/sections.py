@@ -159,7 +159,8 @@ class Rollout:
         "", "MaxText's name; here the rollout engine's weights only: the jax engine holds each "
         "layer's projection matrices per output channel in int8 or fp8 (e4m3) with float32 "
         "scales, quantized as a publish loads them, and an untied lm head too (embeddings and "
-        "norms stay in rollout_weight_dtype). The trainer keeps full precision. "
+        "norms stay in rollout_weight_dtype). The trainer keeps full precision; under "
+        "mcjax_da its leader quantizes before the put (projections: half of bf16's bytes). "
         "rollout_engine=jax only.")
     quantize_kvcache: bool = key(
         False, "MaxText's name; here the jax engine's KV page pool: keys and values stored in "

@@ -235,9 +235,15 @@ class JaxEngine(Engine):
         for mesh, replica_params in zip(self.meshes, self._params, strict=True):
             with jax.set_mesh(mesh):  # a cast runs on the replica, not the trainer's mesh
                 for path, leaf in flat.items():
-                    placed = self._place(leaf, specs[path], mesh)
-                    replica_params[path] = quantize.quantize_leaf(path, placed,
-                                                                  self.options.quantization)
+                    replica_params[path] = self._placed(path, leaf, specs[path], mesh)
+
+    def _placed(self, path: LeafPath, leaf: Any, spec: _LeafSpec, mesh: Mesh) -> Any:
+        """One leaf as a replica holds it: placed on `mesh`, a projection quantized under
+        `quantization` (or placed as it is, when its publish quantized it already)."""
+        mode = self.options.quantization
+        if quantize.is_quantized(leaf):
+            return quantize.place_quantized(path, leaf, NamedSharding(mesh, spec.partition), mode)
+        return quantize.quantize_leaf(path, self._place(leaf, spec, mesh), mode)
 
     def _spec_of(self, path: LeafPath, leaf: Any) -> _LeafSpec | None:
         """A path's spec; a trainer's layer run (`layer_stack.run_of`) stacks its first

@@ -2,9 +2,11 @@
 holds them (`quantization`).
 
 The engine quantizes each projection matrix of a decoder layer (attention q/k/v/o, MLP
-gate/up/down) and an untied lm head when its weights are loaded (a publish), into a
-`qwix.QArray`: the values in int8 or float8_e4m3fn and one float32 absmax scale per output
-channel (every axis the einsum does not contract, the layer axis of a stacked leaf included).
+gate/up/down) and an untied lm head when its weights are loaded (a publish; under the
+disaggregated mode the trainer leader quantizes them before its put, `host_leaf`, and the
+engine places them as they come, `place_quantized`), into a `qwix.QArray`: the values in
+int8 or float8_e4m3fn and one float32 absmax scale per output channel (every axis the einsum
+does not contract, the layer axis of a stacked leaf included).
 The lm head is read whole every decode step, as the layers are; it is 8% of Qwen3-8B's
 weights, and Qwen3-8B's int8 engine copy is 58% of bf16's without it, 54% with it. The rest
 stays in the engine's weight dtype: the embedding table (a gather reads a few rows per token, so
@@ -25,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import qwix
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -152,3 +155,39 @@ def weight_bytes(path: LeafPath, shape: tuple[int, ...], itemsize: int, mode: st
         return values * itemsize
     scales = math.prod(1 if i in contracted else dim for i, dim in enumerate(shape))
     return values * VALUE_BYTES + scales * SCALE_BYTES
+
+
+def host_leaf(path: LeafPath, leaf: jax.Array, mode: str, dtype: Any) -> Any:
+    """One leaf of a publish's host copy in the form an engine holding its weights in `dtype`
+    under `quantization=mode` keeps it (`leaf`: a full copy on one device; dtype None: as it
+    is). A projection is cast to `dtype` and quantized on that device as the engine's load
+    would cast and quantize it (`quantize_leaf`), a QArray of numpy values and scales; any
+    other leaf is numpy, cast to `dtype` only where that narrows it (the engine casts alike)."""
+    contracted = contracted_axes(path) if check_mode(mode) and dtype is not None else None
+    if contracted is not None:
+        quantized = _quantizer(mode, contracted, leaf.ndim, leaf.sharding)(leaf.astype(dtype))
+        return jax.tree.map(np.asarray, quantized)
+    if dtype is not None and jnp.issubdtype(leaf.dtype, jnp.floating) and \
+            jnp.dtype(dtype).itemsize < leaf.dtype.itemsize:
+        leaf = leaf.astype(dtype)
+    return np.asarray(leaf)
+
+
+def place_quantized(path: LeafPath, leaf: qwix.QArray, sharding: Any, mode: str) -> qwix.QArray:
+    """A QArray quantized before the load (`host_leaf`) placed as `quantize_leaf` would hold
+    it: values on `sharding`, scales whole along the contracted axes. A ValueError when the
+    engine would not have quantized the leaf so (another mode, or a leaf it keeps whole)."""
+    contracted = contracted_axes(path)
+    want = MODES.get(check_mode(mode)) if contracted is not None else None
+    scale_shape = tuple(1 if i in (contracted or ()) else d for i, d in enumerate(leaf.shape))
+    if want is None or jnp.dtype(leaf.qtype) != jnp.dtype(want) or \
+            tuple(leaf.scale.shape) != scale_shape:
+        held = f"in {jnp.dtype(want).name} with scales {scale_shape}" if want else "unquantized"
+        raise ValueError(
+            f"param {'/'.join(path)} arrives quantized to {jnp.dtype(leaf.qtype).name} with "
+            f"scales {tuple(leaf.scale.shape)}, but this engine (quantization={mode!r}) holds "
+            f"it {held}: publish with the engine's quantization")
+    return qwix.QArray(qvalue=jax.device_put(leaf.qvalue, sharding),
+                       scale=jax.device_put(leaf.scale, _scale_sharding(sharding, contracted,
+                                                                         leaf.ndim)),
+                       qtype=leaf.qtype)

@@ -8,10 +8,12 @@ running the shared phases (`runtime.phases`) of its side of the step.
   `phases.pack` (rows per device agreed in the trainers' exchange) and `TrainPhase` (the
   colocated mode's FSDP update, off-policy against the engine's behaviour logprobs), then the
   publish: the leader `ray.put`s one host copy of the new weights, once per version; every
-  rollout actor fetches that one object. With LoRA only the first publish is the whole tree;
-  later ones are the adapters, and a rollout actor without the base (a restarted one) fetches
-  the first object too. An update skipped as non-finite changed nothing, so it publishes
-  nothing: the version and its object stay the last published ones.
+  rollout actor fetches that one object. Under `quantization` the copy is the engine's form
+  (`publish_form`): the projections arrive quantized, half of bf16's bytes. With LoRA only the
+  first publish is the whole tree; later ones are the adapters, and a rollout actor without
+  the base (a restarted one) fetches the first object too. An update skipped as non-finite
+  changed nothing, so it publishes nothing: the version and its object stay the last
+  published ones.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from tunix_mcjax import metrics, models, topology
 from tunix_mcjax.config import Config
+from tunix_mcjax.engine import quantize
 from tunix_mcjax.publish import nest, tree_bytes
 from tunix_mcjax.runtime import components, evaluation, in_flight, phases, recovery
 from tunix_mcjax.runtime.loop import freeze_gc
@@ -44,11 +47,26 @@ def node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def host_copy(tree: Any) -> Any:
-    """numpy copies of a tree of arrays replicated over this process's devices."""
-    def one(x: jax.Array) -> np.ndarray:
-        return np.asarray(next(s.data for s in x.addressable_shards if s.data.shape == x.shape))
-    return jax.tree.map(one, tree)
+def host_copy(tree: Any, quantization: str = "", engine_dtype: Any = None) -> Any:
+    """Host copies of a tree of arrays replicated over this process's devices, as a publish
+    puts them: numpy as they are, or (`engine_dtype` given) in the engine's form: cast to its
+    weight dtype, each projection a QArray of numpy values and scales under `quantization`,
+    quantized as the engine would (`quantize.host_leaf`)."""
+    def one(keys: tuple, x: jax.Array) -> Any:
+        local = next(s.data for s in x.addressable_shards if s.data.shape == x.shape)
+        path = tuple(str(getattr(k, "key", getattr(k, "idx", k))) for k in keys)
+        return quantize.host_leaf(path, local, quantization, engine_dtype)
+    return jax.tree_util.tree_map_with_path(one, tree)
+
+
+def publish_form(cfg: Config) -> tuple[str, Any]:
+    """(quantization, engine weight dtype) of a publish that quantizes on the trainer side:
+    the jax engine's under `quantization` (int8/fp8 values and a float32 scale an output
+    channel move about half of bf16's bytes, a quarter of float32's); ("", None) otherwise,
+    the full-precision tree the engine quantizes as it loads."""
+    if not cfg.quantization or cfg.rollout_engine != "jax":
+        return "", None
+    return cfg.quantization, models.model_config(cfg, 0, for_sampling=True).param_dtype
 
 
 class RolloutWorker:
@@ -91,7 +109,8 @@ class RolloutWorker:
         if self.cfg.rl_publish_weights_single_call:
             self.engine.load_weights(tree)
         else:
-            for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            for path, leaf in jax.tree_util.tree_flatten_with_path(
+                    tree, is_leaf=quantize.is_quantized)[0]:
                 self.engine.load_weights(nest(path, leaf))
 
     def generate(self, step: int, version: int, weights: list[ray.ObjectRef],
@@ -171,6 +190,7 @@ class TrainerWorker:
             self.trainer = Trainer(cfg, parts.policy, parts.params, parts.mesh, off_policy=True)
         self.train_phase = phases.TrainPhase(self.trainer, self.watchdog, cfg.num_iterations)
         self.mesh = parts.mesh
+        self.publish_form = publish_form(cfg)
         self._replicate = jax.jit(lambda t: t,
                                   out_shardings=NamedSharding(self.mesh, PartitionSpec()))
         # Checkpoints: the trainers' own (one Orbax save over their group), the colocated
@@ -220,7 +240,8 @@ class TrainerWorker:
     def publish(self) -> dict:
         """Phase 6: every trainer joins the gather of the full weights (with LoRA after the first
         publish, the adapters); the leader puts one host copy into the object store.
-        {"version", "weights": [ref] or [ref, first ref] (leader) or None, ...}."""
+        {"version", "weights": [ref] or [ref, first ref] (leader) or None, "publish_bytes":
+        of the object put (0 on a trainer that puts none), ...}."""
         t0 = time.perf_counter()
         adapters_only = self.trainer.lora and self.version > 0
         params = self.trainer.engine_params(adapters_only=adapters_only)
@@ -228,16 +249,17 @@ class TrainerWorker:
             if not self.trainer.engine_params_gathered:
                 with jax.set_mesh(self.mesh):
                     params = jax.block_until_ready(self._replicate(params))
-            weights = None
+            weights, put_bytes = None, 0
             if self.topo.is_leader:
-                weights = [ray.put(host_copy(params))]
+                copy = host_copy(params, *self.publish_form)
+                weights, put_bytes = [ray.put(copy)], tree_bytes(copy)
                 self.puts += 1
                 if self.base is None:
                     self.base = weights[0]
                 if adapters_only:
                     weights.append(self.base)
         self.published = {"version": self.version, "weights": weights, "puts": self.puts,
-                          "publish_bytes": tree_bytes(params)}
+                          "publish_bytes": put_bytes}
         return {**self.published, "publish_s": time.perf_counter() - t0}
 
     def train(self, step: int, *rollouts: Rollout) -> dict:
