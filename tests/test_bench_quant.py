@@ -46,6 +46,14 @@ def test_quant_summary_takes_the_ratio_quantized_over_bf16_and_counts_the_bar():
     assert q["bar_met"] == [True, False] and q["bar_met_count"] == 1
     assert rep["arms"][quant.BASE]["bar_met_count"] == 2
     assert not rep["censored"]
+    for block in rep["arms"].values():
+        block["loadavg_1m"] = [[1.0, 2.0], [2.0, 3.0]]
+    context = {"demo": "recipes/cpu/demo.yml", "hosts": 2, "devices_per_host": 2,
+               "arms": {a: list(k) for a, k in quant.ARMS.items()}}
+    text = quant.markdown({"context": context, "cells": [], "learning": rep})
+    assert f"| {quant.QUANT} | 6, 4 | 5 [4, 6] | 2/2 |" in text
+    assert f"{quant.QUANT} / {quant.BASE}, summed steps to target over paired seeds: 1.250" in text
+    assert f"seeds met: {quant.BASE} 2/2; {quant.QUANT} 1/2." in text
 
 
 def test_bar_is_the_trailing_mean_of_the_last_window():
