@@ -122,24 +122,27 @@ def arm_summary(results: Sequence[learn.SeedResult], target: float, window: int)
 
 
 def learning_summary(arms: dict[str, Sequence[learn.SeedResult]], target: float,
-                     window: int) -> dict:
-    """Both arms ('none', 'token'), the token/none ratio of summed charged steps over paired
-    seeds, and each arm's per-step band of the window-mean accuracy."""
-    if set(arms) != {"none", "token"}:
-        raise ValueError(f"need arms 'none' and 'token', got {sorted(arms)}")
+                     window: int, pair: tuple[str, str] = ("token", "none")) -> dict:
+    """The two arms `pair` (numerator, denominator), their ratio of summed charged steps over
+    paired seeds (under `ratio_<numerator>_over_<denominator>`), and each arm's per-step band
+    of the window-mean accuracy."""
+    num, den = pair
+    if set(arms) != set(pair):
+        raise ValueError(f"need arms {' and '.join(map(repr, sorted(pair)))}, got "
+                         f"{sorted(arms)}")
     seeds = {a: [r.seed for r in rs] for a, rs in arms.items()}
-    if seeds["none"] != seeds["token"]:
+    if seeds[num] != seeds[den]:
         raise ValueError(f"arms must have the same seeds in order: {seeds}")
     rows = {a: arm_summary(rs, target, window) for a, rs in arms.items()}
-    ratio = stats.seed_bootstrap_ratio(rows["token"]["charged"], rows["none"]["charged"])
+    ratio = stats.seed_bootstrap_ratio(rows[num]["charged"], rows[den]["charged"])
     bands = {}
     for a, rs in arms.items():
         steps = min(len(r.accuracy) for r in rs)
         med, low, high = seed_band([moving_mean(r.accuracy[:steps], window) for r in rs])
         bands[a] = {"first_step": window, "median": med.tolist(), "ci_low": low.tolist(),
                     "ci_high": high.tolist()}
-    return {"target": target, "window": window, "arms": rows, "curves": bands,
-            "ratio_token_over_none": ratio.as_dict(),
+    return {"target": target, "window": window, "arms": rows, "curves": bands, "pair": [num, den],
+            f"ratio_{num}_over_{den}": ratio.as_dict(),
             "censored": any(r["reached"] < len(r["seeds"]) for r in rows.values())}
 
 
@@ -372,12 +375,14 @@ def mismatch_markdown(rows: list[dict]) -> list[str]:
     return lines
 
 
-def learning_markdown(summary: dict, marks: Sequence[int] = (10, 25, 50, 75, 100, 150, 200)
-                      ) -> list[str]:
+def learning_markdown(summary: dict, marks: Sequence[int] = (10, 25, 50, 75, 100, 150, 200),
+                      label: str = "sampler_is") -> list[str]:
+    """A learning summary's tables; `label` heads the arm column."""
     t, w = summary["target"], summary["window"]
+    num, den = summary.get("pair", ("token", "none"))
     lines = [f"Steps to {t:g} accuracy ({w}-step trailing mean; `-`: not reached, charged at "
              "the budget): per seed, and the seed median [95% seed bootstrap].", "",
-             "| sampler_is | per seed | median [95%] | reached | final accuracy (median) "
+             f"| {label} | per seed | median [95%] | reached | final accuracy (median) "
              "| final reward (median) | load 1m per run |", "|---" * 7 + "|"]
     for arm, a in summary["arms"].items():
         per_seed = ", ".join("-" if n is None else str(n) for n in a["steps_to_target"])
@@ -385,11 +390,11 @@ def learning_markdown(summary: dict, marks: Sequence[int] = (10, 25, 50, 75, 100
         lines.append(f"| {arm} | {per_seed} | {_ci(a['steps_to_target_median'], '.0f')} "
                      f"| {a['reached']}/{len(a['seeds'])} | {a['final_accuracy_median']:.3f} "
                      f"| {a['final_reward_median']:.3f} | {loads} |")
-    ratio = summary["ratio_token_over_none"]
-    lines += ["", f"token / none, summed steps to target over paired seeds: "
+    ratio = summary[f"ratio_{num}_over_{den}"]
+    lines += ["", f"{num} / {den}, summed steps to target over paired seeds: "
               f"{_ci(ratio, '.3f')}" + (" (censored)" if summary["censored"] else "") + ".",
               "", f"Accuracy ({w}-step trailing mean), seed median [95% seed bootstrap] at step:",
-              "", "| sampler_is | " + " | ".join(str(s) for s in marks) + " |",
+              "", f"| {label} | " + " | ".join(str(s) for s in marks) + " |",
               "|---" * (len(marks) + 1) + "|"]
     for arm, band in summary["curves"].items():
         cells = []

@@ -56,16 +56,18 @@ class PinnedLayoutEngine(JaxEngine):
 
 
 def engine_arm(
-    profile, params, prompts, sampling, *, continuous: bool, batch: int, layout: Any = None
+    profile, params, prompts, sampling, *, continuous: bool, batch: int, layout: Any = None,
+    **fields: Any,
 ) -> tuple[Measure, dict]:
     """A warmed-up JaxEngine decoding at most `batch` rows at once (CB or waves), its
-    completion cap `sampling.max_new_tokens`, its pages on `layout` (None: its platform's)."""
+    completion cap `sampling.max_new_tokens`, its pages on `layout` (None: its platform's);
+    `fields` are further EngineOptions fields (quantization, kv_quantization)."""
     options = {"layout": layout} if layout is not None else {}
     engine = (PinnedLayoutEngine if layout is not None else JaxEngine)(
         model_of(profile), jax.devices()[:1], pad_id=PAD_ID, eos_ids=(EOS_ID,),
         max_prompt_length=pow2_at_least(profile.prompt_lengths[1]),
         max_new_tokens=sampling.max_new_tokens, continuous_batching=continuous,
-        max_batch_size=batch, **options,
+        max_batch_size=batch, **options, **fields,
     )  # fmt: skip
     engine.load_weights(params)
     engine.generate(prompts, sampling, seed=0)  # compile
