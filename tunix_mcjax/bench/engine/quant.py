@@ -7,7 +7,8 @@ One process, one device: the profile's random-init model (qwen3-0.6b-cpu: Qwen3-
 bfloat16, the model of recipes/cpu/qwen3_0p6b.yml), prompts and sampling (bench.engine.workload),
 and one JaxEngine per mode, `generate` alone (no trainer), each compiled by a warm-up first.
 Modes (MODES): bf16 weights and pages; int8 or fp8 weights (`quantization`); bf16 weights with
-int8 or fp8 KV pages (`quantize_kvcache` with `kv_quant_dtype`); int8 weights with fp8 pages.
+int8 or fp8 KV pages (`quantize_kvcache` with `kv_quant_dtype`, a scale per token and head), fp8
+pages under one static scale (`kv_quant_axis=tensor`); int8 weights with fp8 pages.
 Each repeat runs every mode once, in a fresh shuffled order (bench.engine.runner.ArmSet), with
 seed repeat + 1, and records the 1-minute load average before and after each generate.
 Per mode: tokens/s, median over repeats [95% bootstrap] (bench.stats.bootstrap_median); its
@@ -42,6 +43,7 @@ MODES = {
     "fp8": ("fp8", ""),
     "kv-int8": ("", "int8"),
     "kv-fp8": ("", "fp8"),
+    "kv-fp8-tensor": ("", "fp8_tensor"),
     "int8+kv-fp8": ("int8", "fp8"),
 }
 
