@@ -15,6 +15,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
@@ -189,9 +190,16 @@ class MaxTextEngine(JaxEngine):
     def _decode_model(self, mesh: Mesh) -> MaxTextPagedModel:
         key = id(mesh)
         if key not in self._models:
-            layout = layout_for(mesh.devices.flat[0].platform, mesh.devices.size, mesh=mesh,
+            platform, kv_mode = mesh.devices.flat[0].platform, self.options.kv_quantization
+            if kv_mode and platform == "tpu":
+                raise ValueError("quantize_kvcache=true on TPU: the Pallas kernel cannot read "
+                                 "per-token scales and XLA's attention over quantized pages "
+                                 "holds temporaries the planner does not count, as for the jax "
+                                 "engine (docs/engines.md); set quantize_kvcache=false on TPU")
+            layout = layout_for(platform, mesh.devices.size, mesh=mesh,
                                 kv_heads=self.model_config.num_kv_heads,
-                                heads_axis=TENSOR_AXIS)
+                                heads_axis=TENSOR_AXIS, kv_mode=kv_mode,
+                                dtype=jnp.dtype(self.model_config.dtype))
             self._models[key] = MaxTextPagedModel(self._model_config(), mesh, layout,
                                                   expert_minor_keys=self._minor_keys,
                                                   record_routing=self.record_routing)

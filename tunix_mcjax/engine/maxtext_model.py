@@ -27,6 +27,7 @@ from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import Mesh, PartitionSpec
 
+from tunix_mcjax.engine import pages
 from tunix_mcjax.engine.maxtext_scan import scan_layout, subtree, take
 from tunix_mcjax.engine.maxtext_tpu import expert_major
 from tunix_mcjax.engine.maxtext_tree import (
@@ -34,7 +35,12 @@ from tunix_mcjax.engine.maxtext_tree import (
     abstract_model,
     scan_plan,
 )
-from tunix_mcjax.engine.paged_attention import KERNEL_HEAD_DIM, CombinedPages, SplitPages
+from tunix_mcjax.engine.paged_attention import (
+    KERNEL_HEAD_DIM,
+    CombinedPages,
+    QuantizedPages,
+    SplitPages,
+)
 
 TENSOR_AXIS = "tensor"
 
@@ -61,6 +67,11 @@ def decode_config(config: Any, *, batch: int, prompt_len: int, max_new: int,
 
 
 # ----- MaxText's model over our page pool ------------------------------------------------------
+
+
+def kv_mode_of(layout: Any) -> str:
+    """The stored dtype of a layout's pages under `quantize_kvcache` ("" unquantized)."""
+    return layout.mode if isinstance(layout, QuantizedPages) else ""
 
 
 class _PagedCall:
@@ -396,9 +407,10 @@ class MaxTextPagedModel:
 
     def page_bytes(self, page_size: int, tp: int) -> int:
         """Bytes of one page over every slot, per device (kv heads split over `tp` where they
-        divide)."""
-        return sum(page_size * 2 * k * h * self.dtype.itemsize // (tp if k % tp == 0 else 1)
-                   for k, h in self.slot_shapes.values())
+        divide); a quantized slot's values take a byte each, plus its scales."""
+        return sum(pages.page_bytes(1, k, h, page_size, self.dtype.itemsize,
+                                    tp if k % tp == 0 else 1, kv_mode_of(self.layouts[slot]))
+                   for slot, (k, h) in self.slot_shapes.items())
 
     def pool_specs(self) -> list[Any]:
         """Each pool stack's partition on the replica mesh: kv heads over "tensor" where they
