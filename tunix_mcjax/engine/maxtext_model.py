@@ -11,7 +11,8 @@ XLA for layers with sinks or heads the kernel does not take (`slot_layouts`); on
 kernels are padded to whole lanes where their layout would otherwise be copied
 (`maxtext_tpu`). A scanned tree decodes as MaxText stacks it (`maxtext_tree.scan_plan` finds
 how), one `lax.scan` over its layers in place of MaxText's own layer scan, which has no seat for
-a pool (`_LayerSeam`).
+a pool (`_LayerSeam`). Quantized kernels (`maxtext_quantize`) are dequantized where a layer
+runs: inside the scan's body for a scanned tree.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from flax.linen import partitioning as nn_partitioning
 from jax.sharding import Mesh, PartitionSpec
 
 from tunix_mcjax.engine import pages
+from tunix_mcjax.engine.maxtext_quantize import merge_view
 from tunix_mcjax.engine.maxtext_scan import scan_layout, subtree, take
 from tunix_mcjax.engine.maxtext_tpu import expert_major
 from tunix_mcjax.engine.maxtext_tree import (
@@ -41,6 +43,7 @@ from tunix_mcjax.engine.paged_attention import (
     QuantizedPages,
     SplitPages,
 )
+from tunix_mcjax.engine.quantize import dequantize_tree
 
 TENSOR_AXIS = "tensor"
 
@@ -371,6 +374,7 @@ class MaxTextPagedModel:
         self.stacks, self.places = pool_stacks(self.layers, self.layouts)
         self.scan_table = self._scan_table()
         self.dtype = jnp.dtype(config.dtype)
+        self.weight_dtype = jnp.dtype(config.weight_dtype)
         self.routing_shape = None
         if record_routing:
             check_replay_patch()
@@ -452,11 +456,13 @@ class MaxTextPagedModel:
     def forward(self, params: Any, pool: list[Any], rows: Any) -> tuple[jax.Array, list[Any]]:
         call = _PagedCall([s.layout for s in self.stacks], pool, rows)
         if self.templates:
-            model = nnx.merge(self.graph, params, copy=True)
+            merged = merge_view(params, self.weight_dtype, self.scan.scanned_prefixes)
+            model = nnx.merge(self.graph, merged, copy=True)
             _LayerSeam(functools.partial(self._run_layers, params, call)).install(model.decoder)
             moes = []
         else:
-            model = nnx.merge(self.graph, expert_major(params, self.expert_minor_keys), copy=True)
+            merged = merge_view(params, self.weight_dtype, ())
+            model = nnx.merge(self.graph, expert_major(merged, self.expert_minor_keys), copy=True)
             for (_, attn), i in zip(attention_layers(model), range(len(self.layers)), strict=True):
                 attn.attention_op = self._paged_op(call, i, self.places[i][1])
             moes = routed_moes(model) if self.routing_shape else []
@@ -485,6 +491,7 @@ class MaxTextPagedModel:
         from maxtext.layers.attention_op import AttentionOp
         from maxtext.layers.moe import RoutedMoE
 
+        params = dequantize_tree(params, self.weight_dtype)  # quantized kernels, if any
         module = nnx.merge(self.templates[layer],
                            expert_major(params, self.expert_minor_keys, prefix))
         [attn] = [node for node in modules_of(module, nnx.Module)

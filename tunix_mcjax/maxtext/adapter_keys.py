@@ -4,7 +4,7 @@ rollout engine's quantization), and the refusal of LoRA keys there."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tunix_mcjax.config import ConfigError, parse_overrides
@@ -65,6 +65,35 @@ CORRECTION_ADAPTER_KEYS = ("sampler_is", "sampler_is_threshold", "rollout_rs",
 
 # Taken off MaxText's config (it would quantize the trainer, its KV cache): the engine's only.
 ROLLOUT_ADAPTER_KEYS = ("quantization", "quantize_kvcache", "kv_quant_dtype", "kv_quant_axis")
+
+
+def check_rollout_env(environ: Mapping[str, str]) -> None:
+    """Raises ConfigError for MaxText's `M_<KEY>` override of a `ROLLOUT_ADAPTER_KEYS` key.
+    MaxText 0.2.5 applies an `M_<KEY>` only to a key that a YAML file of the run sets (rl.yml
+    sets none of these, so MaxText drops it without a word); where one does, it would quantize
+    MaxText's trainer too."""
+    given = [f"{env}={environ[env]}" for key in ROLLOUT_ADAPTER_KEYS
+             if (env := f"M_{key.upper()}") in environ]
+    if given:
+        raise ConfigError(
+            f"{', '.join(given)}: MaxText applies an M_<KEY> override only to a key its YAML "
+            "files set (rl.yml sets none of these: it would be dropped), and there it would "
+            "quantize the trainer too. Pass them on train_rl's command line instead "
+            "(quantization=..., quantize_kvcache=true, kv_quant_dtype=...): the rollout "
+            "engine's only")
+
+
+def check_rollout_quantization(config: Any, rollout_engine: str,
+                               rollout: Mapping[str, Any]) -> None:
+    """Raises ConfigError for `quantization` on a model whose kernels the maxtext engine does
+    not quantize (`engine.maxtext_quantize.check_family`), before anything is built."""
+    from tunix_mcjax.engine import maxtext_quantize
+
+    if rollout_engine == "maxtext" and rollout.get("quantization"):
+        try:
+            maxtext_quantize.check_family(config, str(rollout["quantization"]))
+        except ValueError as e:
+            raise ConfigError(str(e)) from e
 
 
 def check_router_replay(config: Any, corrections: dict[str, Any]) -> None:

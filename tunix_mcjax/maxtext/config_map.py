@@ -303,9 +303,17 @@ REFUSED: dict[str, str] = {
     "max_seq_token_per_tpu": "no token-budget micro-batching yet",
     "dropout_rate": "the policy trains without dropout",
     "async_checkpointing": "checkpoints are saved synchronously",
-    "quantization": "set in a config file or M_QUANTIZATION it would quantize MaxText's trainer "
-                    "too, which trains in full precision here; pass quantization=int8 or fp8 on "
-                    "train_rl's command line: the rollout engine's weights only (jax engine)",
+    "quantization": "set in a config file it would quantize MaxText's trainer too, which "
+                    "trains in full precision here; pass quantization=int8 or fp8 on train_rl's "
+                    "command line: the rollout engine's weights only (jax engine; maxtext "
+                    "engine for dense Qwen3)",
+    "quantize_kvcache": "set in a config file it is MaxText's own KV cache's (its decode, not "
+                        "this runtime's); pass quantize_kvcache=true (and kv_quant_dtype) on "
+                        "train_rl's command line: the rollout engine's KV pages",
+    "kv_quant_dtype": "set in a config file it is MaxText's own KV cache's; pass it on "
+                      "train_rl's command line with quantize_kvcache=true",
+    "kv_quant_axis": "set in a config file it is MaxText's own KV cache's; the rollout engine's "
+                     "pages take kv_quant_axis on train_rl's command line",
     "rope_max_timescale": "the engine's Qwen3 forward rotates with theta 1e6 (Tunix's)",
 }
 
