@@ -37,21 +37,25 @@ MODES = ["int8", "fp8"]
 GREEDY = SamplingParams(max_new_tokens=MAX_NEW, greedy=True)
 
 
+UNTIED = ("logits_via_embedding=false",)  # an output head of its own (decoder/logits_dense)
+
+
 @functools.cache
-def world() -> World:
-    return World("qwen3")
+def world(overrides: tuple[str, ...] = ()) -> World:
+    return World("qwen3", overrides)
 
 
-def engine_of(layouts=None, **options) -> MaxTextEngine:
+def engine_of(layouts=None, overrides: tuple[str, ...] = (), **options) -> MaxTextEngine:
     """The world's engine with `options`; `layouts` ({slot: layout}) in place of its own."""
     with pytest.MonkeyPatch.context() as patch:
         if layouts is not None:
             patch.setattr(maxtext_engine, "MaxTextPagedModel", functools.partial(
                 maxtext_model.MaxTextPagedModel, layouts=layouts))
-        engine = MaxTextEngine(world().config, jax.local_devices()[:1], pad_id=0, eos_ids=(),
+        engine = MaxTextEngine(world(overrides).config, jax.local_devices()[:1], pad_id=0,
+                               eos_ids=(),
                                max_prompt_length=16, max_new_tokens=MAX_NEW, max_batch_size=2,
                                **options)
-        engine.load_weights(policy.maxtext_tree(world().params))
+        engine.load_weights(policy.maxtext_tree(world(overrides).params))
         return engine
 
 
@@ -128,13 +132,13 @@ def test_quantized_pages_are_the_maxtext_engines_and_refused_on_tpu():
 
 _rng = np.random.default_rng(1)
 PROMPTS = [_rng.integers(1, 512, _rng.integers(2, 16)).astype(np.int32) for _ in range(16)]
-PROJECTIONS = {"query", "key", "value", "out", "wi_0", "wi_1", "wo"}
+PROJECTIONS = {"query", "key", "value", "out", "wi_0", "wi_1", "wo", "logits_dense"}
 
 
 @functools.cache
-def weights_decoded(mode: str) -> tuple[MaxTextEngine, list]:
+def weights_decoded(mode: str, overrides: tuple[str, ...] = ()) -> tuple[MaxTextEngine, list]:
     """(the engine with `quantization=mode`, its greedy completions of PROMPTS), built once."""
-    engine = engine_of(quantization=mode)
+    engine = engine_of(overrides=overrides, quantization=mode)
     return engine, engine.generate(PROMPTS, GREEDY, seed=0)
 
 
@@ -169,29 +173,54 @@ def quantized_converts(engine: MaxTextEngine) -> list[bool]:
 
 
 @pytest.mark.slow  # MaxText's model, built and compiled for two engines
-@pytest.mark.parametrize("mode", MODES)
-def test_quantized_weights_decode_as_the_reference_over_their_dequantized_weights(mode):
+@pytest.mark.parametrize("mode, overrides", [("int8", ()), ("fp8", ()), ("int8", UNTIED)],
+                         ids=["int8", "fp8", "int8-untied-head"])
+def test_quantized_weights_decode_as_the_reference_over_their_dequantized_weights(mode,
+                                                                                 overrides):
     """The engine over int8/fp8 projection kernels decodes what the float engine decodes over
     those kernels dequantized (float32): greedy tokens exactly, logprobs within 1e-5. Each
     layer projection is held quantized (values and a float32 scale per output channel, the
     layer axis in front) and dequantized inside the layer scan (`quantized_converts`), the
-    embedding and norms in float; the pool budget's weight bytes are the bytes held."""
-    engine, got = weights_decoded(mode)
+    embedding and norms in float; the pool budget's weight bytes are the bytes held. An untied
+    output head is quantized too, and dequantized once, outside the scan."""
+    engine, got = weights_decoded(mode, overrides)
     held = flatten_tree(engine.weights(0))
     for path, leaf in held.items():
         assert quantize.is_quantized(leaf) == (path[-2] in PROJECTIONS), path
+    assert (("decoder", "logits_dense", "kernel") in held) == bool(overrides)
     query = held["decoder", "layers", "self_attention", "query", "kernel"]  # [embed, L, N, H]
     assert query.qvalue.dtype == quantize.MODES[mode] and query.scale.shape == (1, 2, 4, 16)
     assert engine._weight_bytes(1) == sum(x.nbytes for x in jax.tree.leaves(
         engine._params[0]))
     in_scan = quantized_converts(engine)
-    assert len(in_scan) >= len(PROJECTIONS) and all(in_scan), in_scan
-    reference = engine_of()
+    assert in_scan.count(True) >= 7 and in_scan.count(False) == bool(overrides), in_scan
+    reference = engine_of(overrides=overrides)
     reference.load_weights(quantize.dequantize_tree(engine.weights(0), np.float32))
     want = reference.generate(PROMPTS, GREEDY, seed=0)
     for a, b in zip(got, want, strict=True):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode, least", [("int8", 0.90), ("fp8", 0.70)])
+def test_greedy_with_quantized_weights_agrees_with_bf16(mode, least):
+    """Each greedy choice of the quantized engine is the bf16 model's (MaxText's full forward
+    over the weights rounded to bfloat16) after the same prefix on >= 90% of tokens (int8;
+    93.0% measured here, 93.5% of 384 over 48 other prompts) and >= 70% (fp8: 74.2%; 83.9%),
+    where the float32 engine's are on 99.2%. Below the jax engine's 97.7% (int8) on its tiny
+    model, with the same quantizer and another model (its perturbed weights; the engine over
+    the dequantized kernels is exact: the test above)."""
+    _, completions = weights_decoded(mode)
+    bf16 = jax.tree.map(lambda w: w.astype(jnp.bfloat16).astype(jnp.float32), world().params)
+    agree = []
+    for prompt, out in zip(PROMPTS, completions, strict=True):
+        steps = world().logits(np.concatenate([prompt, out.tokens]), bf16)
+        steps = steps[len(prompt) - 1: len(prompt) - 1 + len(out.tokens)].copy()
+        steps[:, 0] = -np.inf  # pad is never sampled
+        agree.append(np.argmax(steps, axis=-1) == out.tokens)
+    print(f"{mode} weights: {np.mean(agree):.3f} of greedy choices are bf16's")
+    assert np.mean(agree) >= least
 
 
 def test_quantized_weights_are_refused_by_name_where_not_covered():
