@@ -237,8 +237,6 @@ def test_page_bytes_count_values_and_scales_and_the_pool_holds_about_twice_the_p
 
 
 def test_refusals_name_the_key():
-    with pytest.raises(ConfigError, match="quantize_kvcache=true: rollout_engine=maxtext"):
-        config.load_config(None, ["quantize_kvcache=true", "rollout_engine=maxtext"])
     with pytest.raises(ConfigError, match="quantize_kvcache=true: rollout_engine=vllm"):
         config.load_config(None, ["quantize_kvcache=true", "rollout_engine=vllm",
                                   "rl_publish_weights_single_call=true"])

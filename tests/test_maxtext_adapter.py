@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -242,19 +243,37 @@ def test_unsupported_settings_are_refused_by_name(monkeypatch):
         checked_config(maxtext_argv(), {}, 1)
 
 
-def test_quantization_on_the_command_line_quantizes_the_rollout_only(tmp_path):
-    """MaxText's `quantization` from train_rl's command line sets the jax engine's weights;
-    MaxText's config (which builds the trainer) never sees it. In a config file it would
-    quantize the trainer too, so it is refused by name, as it is for the maxtext engine."""
+def test_quantization_on_the_command_line_quantizes_the_rollout_only(tmp_path, monkeypatch):
+    """MaxText's `quantization`, `quantize_kvcache` and `kv_quant_dtype` from train_rl's command
+    line set the rollout engine's weights and KV pages (jax engine; maxtext engine: dense
+    Qwen3's weights, any family's pages); MaxText's config (which builds the trainer) never
+    sees them. Where they cannot be honoured they are refused by name before anything is
+    built: in a config file (the trainer's, MaxText's own KV cache), as `M_<KEY>` overrides
+    (MaxText drops those for keys rl.yml does not set), and weights on a MoE family."""
     config, cfg, _ = checked_config(maxtext_argv("quantization=int8"), {}, 1)
     assert cfg.quantization == "int8" and cfg.rollout_engine == "jax"
     assert not getattr(config.quantization, "value", config.quantization)
-    with pytest.raises(ConfigError, match="quantization=fp8: rollout_engine=maxtext"):
-        checked_config(maxtext_argv("quantization=fp8", "rollout_engine=maxtext"), {}, 1)
-    yml = tmp_path / "quantized.yml"
-    yml.write_text(f"base_config: {RL_YML}\nquantization: int8\n")
-    with pytest.raises(ConfigError, match="quantization='int8': set in a config file"):
-        checked_config(["", str(yml), *maxtext_argv()[2:]], {}, 1)
+    config, cfg, _ = checked_config(maxtext_argv(
+        "quantization=fp8", "quantize_kvcache=true", "kv_quant_dtype=fp8",
+        "rollout_engine=maxtext"), {}, 1)
+    assert (cfg.rollout_engine, cfg.quantization, cfg.quantize_kvcache, cfg.kv_quant_dtype) == \
+        ("maxtext", "fp8", True, "fp8")
+    assert not config.quantize_kvcache
+    moe = ["", RL_YML, "model_name=qwen3-30b-a3b", "log_config=false", "quantization=int8"]
+    with pytest.raises(ConfigError, match="quantization=int8 with rollout_engine=maxtext: "
+                                          "model_name=qwen3-30b-a3b"):
+        checked_config(moe, {}, 1)
+    for key, value, why in [("quantization", "int8", "quantization='int8': set in a config file"),
+                            ("quantize_kvcache", "true", "quantize_kvcache=True: set in a config "
+                                                         "file it is MaxText's own KV cache's")]:
+        yml = tmp_path / f"{key}.yml"
+        yml.write_text(f"base_config: {RL_YML}\n{key}: {value}\n")
+        with pytest.raises(ConfigError, match=re.escape(why)):
+            checked_config(["", str(yml), *maxtext_argv()[2:]], {}, 1)
+    monkeypatch.setenv("M_QUANTIZATION", "int8")
+    with pytest.raises(ConfigError, match="M_QUANTIZATION=int8: MaxText applies an M_<KEY> "
+                                          "override only to a key its YAML files set"):
+        checked_config(maxtext_argv(), {}, 1)
 
 
 @pytest.mark.parametrize("overrides,match", [

@@ -201,12 +201,30 @@ def test_num_iterations_counts_updates_as_tunix_does(cpu_argv, checkpoint):
     ("actor_model_config.lora_config.weight_qtype=nf4", "lora_config.weight_qtype='nf4'"),
     ("grpo_config.kl_loss_mode=mse", "grpo_config.kl_loss_mode='mse'"),
     ("rl_training_config.perf_metrics_options.enable_perf_v1=true", "perf_metrics_options"),
+    # Tunix has no rollout quantization key; vLLM's, through its engine arguments.
+    ("rollout_config.rollout_vllm_kwargs.kv_cache_dtype=fp8",
+     "rollout_vllm_kwargs.kv_cache_dtype='fp8': vLLM's engine arguments (its quantization"),
 ])
 def test_refused_by_name(cpu_argv, override, named):
     config = config_map.plain(pipeline(cpu_argv, override).config)
     with pytest.raises(ConfigError, match="cannot honour") as e:
         config_map.check(config)
     assert named in str(e.value)
+
+
+def test_rollout_quantization_keys_are_refused_by_name(cpu_argv):
+    """Tunix's RL config has no rollout quantization key to map: MaxText's names are refused
+    by Tunix's CLI on its command line, and by name with the way to a quantized rollout where
+    a config file carries them."""
+    with pytest.raises(ConfigError, match="Key quantization was passed at the command line"):
+        pipeline(cpu_argv, "quantization=int8")
+    for key, value in [("quantization", "int8"), ("quantize_kvcache", True),
+                       ("kv_quant_dtype", "fp8")]:
+        config = config_map.plain(pipeline(cpu_argv).config)
+        config[key] = value
+        with pytest.raises(ConfigError, match=f"{key}={value!r}: Tunix's RL config has no "
+                                              "rollout quantization key"):
+            config_map.check(config)
 
 
 def test_mesh_must_cover_the_run_devices(cpu_argv):

@@ -203,16 +203,22 @@ def _lora(cfg: Keys) -> None:
                           "not decode LoRA adapters; use rollout_engine=jax")
 
 
+# The engines that hold quantized weights (`engine.quantize`; the maxtext engine dense Qwen3's,
+# `engine.maxtext_quantize`) and KV pages (`engine.paged_attention.QuantizedPages`).
+QUANT_ENGINES = ("jax", "maxtext")
+
+
 def _quantization(cfg: Keys) -> None:
-    """Quantized rollout weights: the jax engine's only (the trainer never quantizes)."""
-    if cfg.quantization and cfg.rollout_engine != "jax":
+    """Quantized rollout weights and KV pages: the engines of our decode loop (jax, maxtext);
+    the trainer never quantizes."""
+    if cfg.quantization and cfg.rollout_engine not in QUANT_ENGINES:
         raise ConfigError(f"quantization={cfg.quantization}: rollout_engine={cfg.rollout_engine} "
-                          "does not quantize its weights yet (the jax engine does); use "
-                          "rollout_engine=jax, or drop quantization")
-    if cfg.quantize_kvcache and cfg.rollout_engine != "jax":
+                          "does not quantize its weights (the jax and maxtext engines do); use "
+                          "one of them, or drop quantization")
+    if cfg.quantize_kvcache and cfg.rollout_engine not in QUANT_ENGINES:
         raise ConfigError(f"quantize_kvcache=true: rollout_engine={cfg.rollout_engine} does not "
-                          "quantize its KV pages yet (the jax engine does); use "
-                          "rollout_engine=jax, or drop quantize_kvcache")
+                          "quantize its KV pages (the jax and maxtext engines do); use one of "
+                          "them, or drop quantize_kvcache")
 
 
 def _kv_quant_axis(cfg: Keys) -> None:

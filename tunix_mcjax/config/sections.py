@@ -161,13 +161,14 @@ class Rollout:
         "scales, quantized as a publish loads them, and an untied lm head too (embeddings and "
         "norms stay in rollout_weight_dtype). The trainer keeps full precision; under "
         "mcjax_da its leader quantizes before the put (projections: half of bf16's bytes). "
-        "rollout_engine=jax only.")
+        "rollout_engine=jax, and maxtext for dense Qwen3 (its MaxText kernels; other families "
+        "refused).")
     quantize_kvcache: bool = key(
-        False, "MaxText's name; here the jax engine's KV page pool: keys and values stored in "
+        False, "MaxText's name; here the engine's KV page pool: keys and values stored in "
         "kv_quant_dtype, scaled as kv_quant_axis says. dkv: a bfloat16 absmax scale per token "
         "and kv head, dequantized by the XLA attention path, refused on TPU (the kernel cannot "
         "read those scales); tensor: fp8 under one static scale, read by the TPU kernel and by "
-        "the XLA path elsewhere. rollout_engine=jax only.")
+        "the XLA path elsewhere. rollout_engine=jax or maxtext.")
     kv_quant_dtype: Literal["int8", "fp8"] = key(
         "int8", "The KV pages' dtype under quantize_kvcache: int8, or fp8 (e4m3). MaxText's "
         "int4 is not taken.")

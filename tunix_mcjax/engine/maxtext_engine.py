@@ -6,7 +6,9 @@ seeds, stop handling, continuous batching and DP replicas as the JAX engine, on 
 host's devices only. The model is `maxtext_model.MaxTextPagedModel`: MaxText's training forward
 with our paged attention in place of each layer's `AttentionOp`, so sliding windows apply by
 token position and sequences may be longer than a window; a scanned tree is decoded as it is
-stacked, one `lax.scan` over its layers, so the program does not grow with depth.
+stacked, one `lax.scan` over its layers, so the program does not grow with depth. Under
+`quantization` (dense Qwen3) it holds the layers' projection kernels quantized
+(`maxtext_quantize`), under `quantize_kvcache` its pages (`paged_attention.QuantizedPages`).
 """
 
 from __future__ import annotations
@@ -15,10 +17,13 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from tunix_mcjax.engine import maxtext_quantize, quantize
 from tunix_mcjax.engine.jax_engine import JaxEngine, _LeafSpec
+from tunix_mcjax.engine.kv_quant import check_tpu_kv_mode
 from tunix_mcjax.engine.maxtext_model import (
     TENSOR_AXIS,
     MaxTextPagedModel,
@@ -66,6 +71,7 @@ class MaxTextEngine(JaxEngine):
                  options: EngineOptions | None = None, *, weight_dtype: str | None = None,
                  record_routing: bool = False, **fields: Any):
         options = options_of(options, fields)
+        maxtext_quantize.check_family(model_config, options.quantization)
         if options.lockstep:
             raise ValueError("the maxtext engine runs per host (rl_runtime=mcjax); lockstep "
                              "decoding (rl_runtime=single) is the jax engine's")
@@ -103,13 +109,22 @@ class MaxTextEngine(JaxEngine):
         return tpu_config(config) if self._padded else config
 
     def _weight_bytes(self, tp: int) -> int:
-        """JaxEngine's, with the zeros that pad MoE kernels on TPU."""
+        """The engine's weights on one device: projections quantized under `quantization`
+        (`maxtext_quantize`), and the zeros that pad MoE kernels on TPU."""
+        held = sum(quantize.axes_bytes(self._stored_shape(path),
+                                       np.dtype(self._leaf_specs[path].dtype).itemsize,
+                                       self._contracted(path), self.options.quantization)
+                   for path in self._leaf_specs)
         padding = 0
         for path, (axis, width) in self._padded.items():
             shape = self._stored_shape(path)
             padding += (int(np.prod(shape)) // shape[axis] * (width - shape[axis])
                         * np.dtype(self._leaf_specs[path].dtype).itemsize)
-        return super()._weight_bytes(tp) + padding // tp
+        return held // tp + padding // tp
+
+    def _contracted(self, path: LeafPath) -> tuple[int, ...] | None:
+        """The contracted axes of a leaf the engine quantizes, as it holds it; else None."""
+        return maxtext_quantize.contracted_axes(path, self._stacked.get(path, 0))
 
     def _stored_shape(self, path: LeafPath) -> tuple[int, ...]:
         """A leaf's shape as the engine holds it: layer-major, expert-minor on CPU, unpadded."""
@@ -152,7 +167,15 @@ class MaxTextEngine(JaxEngine):
         for mesh, replica_params in zip(self.meshes, self._params, strict=True):
             with jax.set_mesh(mesh):  # not the trainer's mesh a publish may run under
                 for path in loaded:
-                    replica_params[path] = self._held(path, replica_params[path])
+                    replica_params[path] = self._quantized(
+                        path, self._held(path, replica_params[path]))
+
+    def _quantized(self, path: LeafPath, leaf: jax.Array) -> Any:
+        """A held leaf under `quantization`: a QArray where `maxtext_quantize` covers it."""
+        contracted = self._contracted(path)
+        if not self.options.quantization or contracted is None:
+            return leaf
+        return quantize.quantize_axes(leaf, contracted, self.options.quantization)
 
     def _held(self, path: LeafPath, leaf: jax.Array) -> jax.Array:
         """A leaf in MaxText's layout as the engine holds it: stacked axes in front, MoE
@@ -183,15 +206,19 @@ class MaxTextEngine(JaxEngine):
 
     def weights(self, replica: int = 0) -> dict[str, Any]:
         """The param tree replica `replica` decodes with, in MaxText's layout."""
-        return self._tree({path: self._maxtext_leaf(path, leaf)
+        return self._tree({path: jax.tree.map(lambda x, p=path: self._maxtext_leaf(p, x), leaf)
                            for path, leaf in self._params[replica].items()})
 
     def _decode_model(self, mesh: Mesh) -> MaxTextPagedModel:
         key = id(mesh)
         if key not in self._models:
-            layout = layout_for(mesh.devices.flat[0].platform, mesh.devices.size, mesh=mesh,
+            platform, kv_mode = mesh.devices.flat[0].platform, self.options.kv_quantization
+            if platform == "tpu":
+                check_tpu_kv_mode(kv_mode)  # as the jax engine: per-token scales refused there
+            layout = layout_for(platform, mesh.devices.size, mesh=mesh,
                                 kv_heads=self.model_config.num_kv_heads,
-                                heads_axis=TENSOR_AXIS)
+                                heads_axis=TENSOR_AXIS, kv_mode=kv_mode,
+                                dtype=jnp.dtype(self.model_config.dtype))
             self._models[key] = MaxTextPagedModel(self._model_config(), mesh, layout,
                                                   expert_minor_keys=self._minor_keys,
                                                   record_routing=self.record_routing)

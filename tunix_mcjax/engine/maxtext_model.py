@@ -11,7 +11,8 @@ XLA for layers with sinks or heads the kernel does not take (`slot_layouts`); on
 kernels are padded to whole lanes where their layout would otherwise be copied
 (`maxtext_tpu`). A scanned tree decodes as MaxText stacks it (`maxtext_tree.scan_plan` finds
 how), one `lax.scan` over its layers in place of MaxText's own layer scan, which has no seat for
-a pool (`_LayerSeam`).
+a pool (`_LayerSeam`). Quantized kernels (`maxtext_quantize`) are dequantized where a layer
+runs: inside the scan's body for a scanned tree.
 """
 
 from __future__ import annotations
@@ -27,6 +28,8 @@ from flax import nnx
 from flax.linen import partitioning as nn_partitioning
 from jax.sharding import Mesh, PartitionSpec
 
+from tunix_mcjax.engine import pages
+from tunix_mcjax.engine.maxtext_quantize import merge_view
 from tunix_mcjax.engine.maxtext_scan import scan_layout, subtree, take
 from tunix_mcjax.engine.maxtext_tpu import expert_major
 from tunix_mcjax.engine.maxtext_tree import (
@@ -34,7 +37,13 @@ from tunix_mcjax.engine.maxtext_tree import (
     abstract_model,
     scan_plan,
 )
-from tunix_mcjax.engine.paged_attention import KERNEL_HEAD_DIM, CombinedPages, SplitPages
+from tunix_mcjax.engine.paged_attention import (
+    KERNEL_HEAD_DIM,
+    CombinedPages,
+    QuantizedPages,
+    SplitPages,
+)
+from tunix_mcjax.engine.quantize import dequantize_tree
 
 TENSOR_AXIS = "tensor"
 
@@ -61,6 +70,16 @@ def decode_config(config: Any, *, batch: int, prompt_len: int, max_new: int,
 
 
 # ----- MaxText's model over our page pool ------------------------------------------------------
+
+
+def kv_mode_of(layout: Any) -> str:
+    """The `kv_quantization` mode of a layout's pages ("" unquantized): a scale per token and
+    head (`QuantizedPages`), or one static scale (`kv_quant_axis=tensor`: `kv_scale`)."""
+    if isinstance(layout, QuantizedPages):
+        return layout.mode
+    scale = getattr(layout, "kv_scale", None)
+    return "" if scale is None else next(m for m in pages.KV_TENSOR_MODES
+                                         if pages.KV_MODES[m] == scale.dtype)
 
 
 class _PagedCall:
@@ -360,6 +379,7 @@ class MaxTextPagedModel:
         self.stacks, self.places = pool_stacks(self.layers, self.layouts)
         self.scan_table = self._scan_table()
         self.dtype = jnp.dtype(config.dtype)
+        self.weight_dtype = jnp.dtype(config.weight_dtype)
         self.routing_shape = None
         if record_routing:
             check_replay_patch()
@@ -396,9 +416,10 @@ class MaxTextPagedModel:
 
     def page_bytes(self, page_size: int, tp: int) -> int:
         """Bytes of one page over every slot, per device (kv heads split over `tp` where they
-        divide)."""
-        return sum(page_size * 2 * k * h * self.dtype.itemsize // (tp if k % tp == 0 else 1)
-                   for k, h in self.slot_shapes.values())
+        divide); a quantized slot's values take a byte each, plus its scales."""
+        return sum(pages.page_bytes(1, k, h, page_size, self.dtype.itemsize,
+                                    tp if k % tp == 0 else 1, kv_mode_of(self.layouts[slot]))
+                   for slot, (k, h) in self.slot_shapes.items())
 
     def pool_specs(self) -> list[Any]:
         """Each pool stack's partition on the replica mesh: kv heads over "tensor" where they
@@ -440,11 +461,13 @@ class MaxTextPagedModel:
     def forward(self, params: Any, pool: list[Any], rows: Any) -> tuple[jax.Array, list[Any]]:
         call = _PagedCall([s.layout for s in self.stacks], pool, rows)
         if self.templates:
-            model = nnx.merge(self.graph, params, copy=True)
+            merged = merge_view(params, self.weight_dtype, self.scan.scanned_prefixes)
+            model = nnx.merge(self.graph, merged, copy=True)
             _LayerSeam(functools.partial(self._run_layers, params, call)).install(model.decoder)
             moes = []
         else:
-            model = nnx.merge(self.graph, expert_major(params, self.expert_minor_keys), copy=True)
+            merged = merge_view(params, self.weight_dtype, ())
+            model = nnx.merge(self.graph, expert_major(merged, self.expert_minor_keys), copy=True)
             for (_, attn), i in zip(attention_layers(model), range(len(self.layers)), strict=True):
                 attn.attention_op = self._paged_op(call, i, self.places[i][1])
             moes = routed_moes(model) if self.routing_shape else []
@@ -473,6 +496,7 @@ class MaxTextPagedModel:
         from maxtext.layers.attention_op import AttentionOp
         from maxtext.layers.moe import RoutedMoE
 
+        params = dequantize_tree(params, self.weight_dtype)  # quantized kernels, if any
         module = nnx.merge(self.templates[layer],
                            expert_major(params, self.expert_minor_keys, prefix))
         [attn] = [node for node in modules_of(module, nnx.Module)

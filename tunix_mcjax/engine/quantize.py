@@ -191,3 +191,21 @@ def place_quantized(path: LeafPath, leaf: qwix.QArray, sharding: Any, mode: str)
                        scale=jax.device_put(leaf.scale, _scale_sharding(sharding, contracted,
                                                                          leaf.ndim)),
                        qtype=leaf.qtype)
+
+
+def quantize_axes(leaf: jax.Array, contracted: tuple[int, ...], mode: str) -> qwix.QArray:
+    """`leaf` (placed with a NamedSharding) as a QArray under `quantization=mode`: a scale per
+    output channel, every axis but `contracted` (for engines whose param paths are not
+    `PROJECTIONS`', e.g. the maxtext engine's)."""
+    with jax.set_mesh(leaf.sharding.mesh):
+        return _quantizer(check_mode(mode), contracted, leaf.ndim, leaf.sharding)(leaf)
+
+
+def axes_bytes(shape: tuple[int, ...], itemsize: int, contracted: tuple[int, ...] | None,
+               mode: str) -> int:
+    """`weight_bytes` of a leaf whose contracted axes are given (None: kept unquantized)."""
+    values = math.prod(shape)
+    if not mode or contracted is None:
+        return values * itemsize
+    scales = math.prod(1 if i in contracted else dim for i, dim in enumerate(shape))
+    return values * VALUE_BYTES + scales * SCALE_BYTES

@@ -89,7 +89,7 @@ def checked_config(argv: Sequence[str], kwargs: dict,
                    num_hosts: int) -> tuple[Any, Config, dict[str, Any]]:
     """(MaxText's config, our Config, the changed settings that do not apply here). Raises
     ConfigError naming every setting this runtime cannot honour, before anything is built."""
-    from tunix_mcjax.maxtext import config_map
+    from tunix_mcjax.maxtext import adapter_keys, config_map
     from tunix_mcjax.tokenizer import resolve_tokenizer_path
 
     config_map.refuse_lora(argv, kwargs)
@@ -97,8 +97,10 @@ def checked_config(argv: Sequence[str], kwargs: dict,
     argv, kwargs, agentic = config_map.pop_agentic_keys(argv, kwargs)
     argv, kwargs, corrections = config_map.pop_correction_keys(argv, kwargs)
     argv, kwargs, rollout = config_map.pop_keys(argv, kwargs, config_map.ROLLOUT_ADAPTER_KEYS)
+    adapter_keys.check_rollout_env(os.environ)
     config, default = load_maxtext_config(argv, kwargs)
     engine = engine or config_map.rollout_engine_for(config)
+    adapter_keys.check_rollout_quantization(config, engine, rollout)
     changed = config_map.changed_keys(config, default)
     not_applied = config_map.check_keys(changed, engine)
     config_map.check_agentic(changed, agentic)

@@ -11,8 +11,8 @@ model's YAML) falls in one of four groups:
 - MaxText's agentic keys (AGENTIC_KEYS) are honoured with rl.use_agentic_rollout=true only, as
   MaxText reads them (`check_agentic`);
 - our own keys that MaxText has none for (the agentic environment's, the rollout-trainer
-  corrections': AGENTIC_ADAPTER_KEYS, CORRECTION_ADAPTER_KEYS) are read from train_rl's command
-  line under our names;
+  corrections': AGENTIC_ADAPTER_KEYS, CORRECTION_ADAPTER_KEYS, in `adapter_keys`) are read from
+  train_rl's command line under our names;
 - anything else is REFUSED by name, before any model is built. `REFUSED` gives the reason and
   the fix for the keys users are likely to set; other keys get a generic message.
 """
@@ -21,10 +21,21 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
 from typing import Any
 
-from tunix_mcjax.config import PAGED_ENGINES, Config, ConfigError, load_config, parse_overrides
+from tunix_mcjax.config import PAGED_ENGINES, Config, ConfigError, load_config
+from tunix_mcjax.maxtext.adapter_keys import (  # noqa: F401 (the adapter's keys, named here too)
+    AGENTIC_ADAPTER_KEYS,
+    CORRECTION_ADAPTER_KEYS,
+    DEFAULT_ENVIRONMENT,
+    ROLLOUT_ADAPTER_KEYS,
+    check_router_replay,
+    pop_agentic_keys,
+    pop_correction_keys,
+    pop_keys,
+    pop_rollout_engine,
+    refuse_lora,
+)
 
 # MaxText's agentic keys (read by its learner only with rl.use_agentic_rollout=true) -> ours.
 AGENTIC_KEYS: dict[str, str] = {
@@ -259,75 +270,6 @@ VLLM_ENGINE_KEYS: dict[str, str] = {
     "vllm_additional_config": "vllm_additional_config",
     "vllm_hf_overrides": "vllm_hf_overrides",
 }
-ROLLOUT_ENGINE_KEY = "rollout_engine"
-
-
-def _pop_key(argv: Sequence[str], kwargs: dict, key: str
-             ) -> tuple[list[str], dict, str | None]:
-    """(argv, kwargs) without `key=...`, and its last value (None if unset)."""
-    prefix = f"{key}="
-    values = [a[len(prefix):] for a in argv if a.startswith(prefix)]
-    kwargs = dict(kwargs)
-    if key in kwargs:
-        values.append(str(kwargs.pop(key)))
-    return [a for a in argv if not a.startswith(prefix)], kwargs, (values[-1] if values else None)
-
-
-def pop_rollout_engine(argv: Sequence[str], kwargs: dict
-                       ) -> tuple[list[str], dict, str | None]:
-    """(argv, kwargs) without `rollout_engine=...`, and its value (None if unset: then the
-    adapter picks the engine by model, `rollout_engine_for`)."""
-    return _pop_key(argv, kwargs, ROLLOUT_ENGINE_KEY)
-
-
-# Our agentic keys that MaxText has none for, given on train_rl's command line and read by this
-# adapter: the conversation's agent and environment (default: MaxText's own, a ModelAgent and a
-# TaskEnvironment, `maxtext.agentic.task_conversation`), one turn's tokens, the tools' budget.
-DEFAULT_ENVIRONMENT = "tunix_mcjax.maxtext.agentic:task_conversation"
-AGENTIC_ADAPTER_KEYS = ("agentic_environment", "agentic_max_turn_tokens",
-                        "agentic_tool_timeout_s", "agentic_keep_pages")
-
-
-def pop_keys(argv: Sequence[str], kwargs: dict, keys: tuple[str, ...]
-              ) -> tuple[list[str], dict, dict[str, Any]]:
-    """(argv, kwargs) without `keys`, and the values given for them (parsed as YAML scalars,
-    as MaxText parses its own)."""
-    argv, found = list(argv), []
-    for key in keys:
-        argv, kwargs, value = _pop_key(argv, kwargs, key)
-        if value is not None:
-            found.append(f"{key}={value}")
-    return argv, kwargs, parse_overrides(found)
-
-
-def pop_agentic_keys(argv: Sequence[str], kwargs: dict
-                     ) -> tuple[list[str], dict, dict[str, Any]]:
-    """(argv, kwargs) without `AGENTIC_ADAPTER_KEYS`, and the values given for them."""
-    return pop_keys(argv, kwargs, AGENTIC_ADAPTER_KEYS)
-
-
-# Our rollout-trainer corrections, which MaxText has no keys for (docs/mismatch.md), given on
-# train_rl's command line under our names and read by this adapter.
-CORRECTION_ADAPTER_KEYS = ("sampler_is", "sampler_is_threshold", "rollout_rs",
-                           "rollout_rs_threshold", "rollout_rs_threshold_lower",
-                           "moe_router_replay")
-
-
-# Taken off MaxText's config (it would quantize the trainer, its KV cache): the engine's only.
-ROLLOUT_ADAPTER_KEYS = ("quantization", "quantize_kvcache", "kv_quant_dtype", "kv_quant_axis")
-
-
-def check_router_replay(config: Any, corrections: dict[str, Any]) -> None:
-    """Raises ConfigError for moe_router_replay on a model without routed experts."""
-    if corrections.get("moe_router_replay") and int(config.num_experts) <= 1:
-        raise ConfigError(f"moe_router_replay=true, but model_name={config.model_name} is "
-                          "dense (num_experts=1): there is no routing to replay; drop it")
-
-
-def pop_correction_keys(argv: Sequence[str], kwargs: dict
-                        ) -> tuple[list[str], dict, dict[str, Any]]:
-    """(argv, kwargs) without `CORRECTION_ADAPTER_KEYS`, and the values given for them."""
-    return pop_keys(argv, kwargs, CORRECTION_ADAPTER_KEYS)
 
 
 def check_agentic(changed: dict[str, Any], adapter_keys: dict[str, Any]) -> None:
@@ -340,23 +282,6 @@ def check_agentic(changed: dict[str, Any], adapter_keys: dict[str, Any]) -> None
         raise ConfigError(
             f"{', '.join(keys)}: MaxText reads these only with rl.use_agentic_rollout=true (its "
             "agentic learner); set rl.use_agentic_rollout=true, or drop them")
-
-
-# LoRA: MaxText's RL config has no LoRA keys (its SFT's `lora.*` section, or ours).
-LORA_KEYS = ("lora.", "lora_rank=", "lora_alpha=", "lora_module_path=")
-
-
-def refuse_lora(argv: Sequence[str], kwargs: dict) -> None:
-    """Raises ConfigError when the MaxText command line asks for LoRA (MaxText's policy
-    trains every param here; LoRA runs through Tunix's CLI or tunix_mcjax.launch)."""
-    asked = [a for a in argv if a.startswith(LORA_KEYS)] + \
-        [f"{k}={v}" for k, v in kwargs.items() if f"{k}=".startswith(LORA_KEYS)]
-    if asked:
-        raise ConfigError(
-            f"{', '.join(asked)}: LoRA is not supported under the MaxText adapter (MaxText's "
-            "policy trains every param). Run LoRA through Tunix's CLI (python -m "
-            "tunix.cli.grpo_main ... rl_runtime=mcjax with lora_config.*) or tunix_mcjax.launch "
-            "with lora_rank, lora_alpha, lora_module_path.")
 
 
 def vllm_values(config: Any) -> dict[str, Any]:
@@ -378,9 +303,17 @@ REFUSED: dict[str, str] = {
     "max_seq_token_per_tpu": "no token-budget micro-batching yet",
     "dropout_rate": "the policy trains without dropout",
     "async_checkpointing": "checkpoints are saved synchronously",
-    "quantization": "set in a config file or M_QUANTIZATION it would quantize MaxText's trainer "
-                    "too, which trains in full precision here; pass quantization=int8 or fp8 on "
-                    "train_rl's command line: the rollout engine's weights only (jax engine)",
+    "quantization": "set in a config file it would quantize MaxText's trainer too, which "
+                    "trains in full precision here; pass quantization=int8 or fp8 on train_rl's "
+                    "command line: the rollout engine's weights only (jax engine; maxtext "
+                    "engine for dense Qwen3)",
+    "quantize_kvcache": "set in a config file it is MaxText's own KV cache's (its decode, not "
+                        "this runtime's); pass quantize_kvcache=true (and kv_quant_dtype) on "
+                        "train_rl's command line: the rollout engine's KV pages",
+    "kv_quant_dtype": "set in a config file it is MaxText's own KV cache's; pass it on "
+                      "train_rl's command line with quantize_kvcache=true",
+    "kv_quant_axis": "set in a config file it is MaxText's own KV cache's; the rollout engine's "
+                     "pages take kv_quant_axis on train_rl's command line",
     "rope_max_timescale": "the engine's Qwen3 forward rotates with theta 1e6 (Tunix's)",
 }
 

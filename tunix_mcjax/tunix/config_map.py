@@ -133,6 +133,8 @@ NOT_APPLICABLE_SECTIONS: dict[str, str] = {
     "sglang_jax_config": "rollout_engine=sglang_jax's; this run's engine is vanilla's",
     "data_config": "Tunix's data_module arguments (Tunix's dataset loader)",
 }
+# MaxText's (and our) names of the rollout's quantization keys.
+ROLLOUT_QUANTIZATION_KEYS = ("quantization", "quantize_kvcache", "kv_quant_dtype", "kv_quant_axis")
 # Why other keys users are likely to set are refused, and what to do.
 REFUSED: dict[str, str] = {
     "rollout_engine": "each host decodes with this runtime's engine over Tunix Qwen3 (the "
@@ -146,6 +148,13 @@ REFUSED: dict[str, str] = {
     "tokenizer_config.tokenizer_type": "this runtime decodes with Hugging Face tokenizers",
     "model_config.model_source": "checkpoints load from Hugging Face safetensors: use "
                                  "model_source=huggingface",
+    # Tunix's RL config has no rollout quantization key (RolloutConfig has none); MaxText's.
+    **dict.fromkeys(ROLLOUT_QUANTIZATION_KEYS, "Tunix's RL config has no rollout quantization "
+                    "key (its runtime would not quantize); the quantized rollout runs under "
+                    "MaxText's adapter (train_rl ... quantization=int8) or tunix_mcjax.launch"),
+    "rollout_config.rollout_vllm_kwargs": "vLLM's engine arguments (its quantization and "
+                                          "kv_cache_dtype among them) are rollout_engine=vllm's; "
+                                          "this runtime's engine takes none",
 }
 REMAT = {1: "none", 3: "full"}  # Tunix's RematConfig NONE and DECODER
 
@@ -241,11 +250,13 @@ def classify(config: Mapping[str, Any]) -> tuple[list[str], dict[str, str]]:
                 not_applied[key] = ("Tunix's create_optimizer passes only the optax "
                                     "optimizer's and schedule's own arguments")
         elif section == "rollout_config":
-            if rest not in rollout_defaults and rest != "total_generation_steps":
+            field = rest.partition(".")[0]  # a dict field's keys come flattened
+            if field not in rollout_defaults and rest != "total_generation_steps":
                 not_applied[key] = "not a RolloutConfig field: Tunix's CLI does not read it"
             elif value != rollout_defaults.get(rest):
-                refuse(key, value, "only total_generation_steps, max_prompt_length, "
-                                   "temperature, top_p and top_k apply to this runtime's engine")
+                refuse(key, value, REFUSED.get(f"{section}.{field}", "only "
+                                   "total_generation_steps, max_prompt_length, temperature, "
+                                   "top_p and top_k apply to this runtime's engine"))
         elif section == "grpo_config" and rest in grpo_defaults and value == grpo_defaults[rest]:
             continue
         elif key == "rl_training_config.mini_batch_size" and value in (None, config["batch_size"]):
