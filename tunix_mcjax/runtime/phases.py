@@ -198,7 +198,11 @@ class RolloutPhases:
         as it is whole, and is scored while the rest decode (`score` collects them)."""
         g = self.cfg.num_generations
         samples: dict[int, Completion] = {}
-        with self.engine.session(self.sampling, len(requests), group_size=g,
+        # generate's program shape: a prompt slot a group when its requests share their
+        # prompt's pages (more slots changed the samples, and cost decode time), else a request
+        prompt_slots = len(requests) // g if self.cfg.enable_prefix_caching else len(requests)
+        with self.engine.session(self.sampling, len(requests), max_prompts=prompt_slots,
+                                 group_size=g,
                                  max_prompt_length=max(len(r) for r in requests)) as session:
             ids = session.join(requests, seed, group_size=g)
             index = {request_id: i for i, request_id in enumerate(ids)}
