@@ -209,3 +209,45 @@ def test_two_replicas_slice_to_generates_samples():
     for i, completion in enumerate(want):
         assert got[i].tokens.tolist() == completion.tokens.tolist(), i
         np.testing.assert_allclose(got[i].logprobs, completion.logprobs, atol=1e-6)
+
+
+def test_timed_steps_pipeline_slices_and_give_generates_samples(engine, reference):
+    """Timed steps dispatch the next slice before reading the last and return with it still
+    running: the samples and counters are still generate's."""
+    want, stats = reference
+    with engine.session(SAMPLE, **CAPACITY) as session:
+        session.join(PROMPTS, seed=3, group_size=GROUP)
+        got, left_running = {}, 0
+        while session.unfinished:
+            got.update(session.step(time_budget_s=1e-3))
+            left_running += session._running is not None
+        assert session.last_stats[0] == stats
+    assert left_running > 0  # a call returned with its next slice on the device
+    for i, completion in enumerate(want):
+        assert got[i].tokens.tolist() == completion.tokens.tolist(), i
+        np.testing.assert_array_equal(got[i].logprobs, completion.logprobs)
+
+
+def test_a_request_joined_while_a_slice_runs_waits_for_its_own_done(engine):
+    """A slice dispatched before a join reports the slot's previous request as done; the
+    joined request must still come back only when its own decoding ends, with its sample."""
+    joiner = [[77, 12, 5, 40, 33], [61]]
+    with engine.session(SAMPLE, **CAPACITY) as session:
+        session.join(joiner, seed=9)
+        alone = {}
+        while session.unfinished:
+            alone.update(session.step())
+    with engine.session(SAMPLE, **CAPACITY) as session:
+        got = {}
+        session.join(PROMPTS[:GROUP], seed=3, group_size=GROUP)
+        while session.unfinished or session._running is None:  # drained, a slice running
+            got.update(session.step(time_budget_s=1e-3))
+        ids = session.join(joiner, seed=9)  # into slots whose last slice said done
+        returned = session.step(time_budget_s=1e-3)  # reads the slice from before the join
+        assert not set(ids) & set(returned)
+        while session.unfinished:
+            returned.update(session.step(time_budget_s=1e-3))
+    for request_id, completion in zip(ids, alone.values(), strict=True):
+        assert returned[request_id].tokens.tolist() == completion.tokens.tolist()
+        np.testing.assert_allclose(returned[request_id].logprobs, completion.logprobs,
+                                   atol=1e-6)

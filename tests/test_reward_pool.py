@@ -20,7 +20,7 @@ from tunix_mcjax.engine.session import DecodeSession
 from tunix_mcjax.rewards import RewardError
 from tunix_mcjax.runtime import phases, stepmath
 from tunix_mcjax.runtime.engines import default_engine
-from tunix_mcjax.runtime.reward_pool import RewardPool, worker_count
+from tunix_mcjax.runtime.reward_pool import RewardPool, seconds_within, worker_count
 from tunix_mcjax.tasks import load_task
 from tunix_mcjax.tokenizer import char_tokenizer
 
@@ -131,3 +131,13 @@ def test_streamed_groups_are_scored_while_the_rest_decode(monkeypatch):
     assert submitted_at[0] < steps[0]  # a group was scored before the last slice decoded
     for w, g in zip(want_scores, streamed.score(adm, got), strict=True):
         np.testing.assert_array_equal(w, g)
+    spans = streamed.reward_pool.spans
+    assert 0 < streamed.reward_hidden_s <= sum(b - a for a, b in spans)  # scored while decoding
+    assert serial.reward_hidden_s == 0
+
+
+def test_hidden_reward_seconds_are_the_spans_inside_the_decode():
+    spans = [(0.0, 1.0), (2.0, 5.0), (6.0, 7.0)]
+    assert seconds_within(spans, 0.5, 3.0) == 1.5
+    assert seconds_within(spans, 0.0, 10.0) == 5.0
+    assert seconds_within(spans, 5.5, 5.9) == 0.0

@@ -91,6 +91,12 @@ PROFILES = {p.name: p for p in (
     # random-init model meets EOS about once in 100 tokens: mean near 100, a few past 400).
     Profile("numina-cpu-eos", "decode-heavy, EOS honoured", 4, 8, 32, 1024, (12, 31),
             ignore_eos=False, keys={"learning_rate": 1e-6}),
+    # numina-cpu-eos on 2 decode slots: its 32 requests queue (as an accelerator engine's do
+    # when requests outnumber its slots), so groups finish one after another, and decoding
+    # lasts about half a 50 ms/completion reward on one worker (`bench.step --streaming`).
+    Profile("numina-cpu-eos-queued", "decode-heavy, EOS honoured, requests queue", 4, 8, 32,
+            1024, (12, 31), ignore_eos=False,
+            keys={"learning_rate": 1e-6, "rollout_max_batch_size": 2}),
     # gsm8k-cpu with run_qwen3.sh's LoRA: the workload of the tunix-cli arm's comparison.
     Profile("gsm8k-cpu-lora", "balanced, LoRA on", 4, 16, 32, 128, (12, 31), RUN_QWEN3_LORA),
     # recipes/cpu/demo.yml: 16 prompts x 32 samples, prompts "d=" (3 tokens with BOS).

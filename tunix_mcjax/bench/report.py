@@ -342,6 +342,12 @@ def report_notes(report: dict) -> list[str]:
         lines += ["Decoded tokens per host, max/mean (median over second-pass steps, per launch): "
                   + "; ".join(f"{arm} " + ", ".join(f"{x:.3f}" for x in values)
                               for arm, values in report["decode_token_imbalance"].items()), ""]
+    if "streaming" in report:
+        lines += ["Median s over scored steps (generate, reward, reward scored while decoding, "
+                  "step): " + "; ".join(
+                      f"{arm} " + ", ".join(f"{k.removesuffix('_s')} {v:.3f}"
+                                            for k, v in values.items())
+                      for arm, values in report["streaming"].items()), ""]
     return lines + [report["host_share_definition"], ROLLOUT_IMBALANCE, ""]
 
 

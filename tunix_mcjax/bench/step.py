@@ -17,7 +17,8 @@ Arms (same model, tokenizer, reward, hyperparameters, batches and devices):
 --ablation runs mcjax, mcjax+O1 .. mcjax+O4 and mcjax+opt, and reports each against mcjax.
 --streaming runs mcjax (reward_num_workers=0: the batch scored after generation) and
 mcjax+streaming (one reward worker: each group scored as it finishes, while the rest decode)
-with a reward of 50 ms per completion (bench.slow_reward), reported like --ablation.
+with a reward of 50 ms per completion (bench.slow_reward), reported like --ablation plus each
+arm's median generate, reward and step seconds and reward seconds hidden in decoding.
 --balance runs mcjax, mcjax+O3 and mcjax+O3x (O3 plus rl_balance_by_expected_output) with
 output lengths that vary by prompt, reported like --ablation plus each arm's rollout imbalance
 (slowest host's generate time / mean) and how well a prompt's first-pass output length predicts
@@ -256,6 +257,20 @@ def _balance_context(runs: list[Run], out: Path, first_scored: int, hosts: int) 
             "decode_token_imbalance": imbalance}
 
 
+def _streaming_context(runs: list[Run], out: Path, first_scored: int) -> dict:
+    """Per arm, medians over the scored steps of every launch and host (compile steps
+    excluded): generate, reward and step seconds, and the reward seconds scored while the
+    host still decoded (`reward_hidden_s`, 0 without streaming)."""
+    columns = ("generate_s", "reward_s", "reward_hidden_s", "step_s")
+    steps: dict[str, list[dict]] = {}
+    for run in runs:
+        steps.setdefault(run.arm, []).extend(
+            r for r in _host_records(out / "runs" / run.name)
+            if r["step"] >= first_scored and not r["compiled"])
+    return {"streaming": {arm: {c: float(np.median([r.get(c, 0.0) for r in records]))
+                                for c in columns} for arm, records in steps.items() if records}}
+
+
 def collect(runs: list[Run], out: Path, first_scored: int) -> tuple[list[report.ArmRun], dict]:
     """Loads every run; per arm in LAYOUT_ARMS and host count, the layout with the fastest
     pooled median is the arm."""
@@ -390,6 +405,8 @@ def main(argv: list[str] | None = None) -> None:
         context["tunix_layouts"] = {_layout_key(*k): v for k, v in layouts.items()}
     if args.balance:
         context.update(_balance_context(runs, out, first_scored, max(args.hosts)))
+    if args.streaming:
+        context.update(_streaming_context(runs, out, first_scored))
     rep = report.build_report(arm_runs, "mcjax", first_scored,
                               ablation=args.ablation or args.balance or args.streaming,
                               context=context,

@@ -32,6 +32,7 @@ from tunix_mcjax.engine.sampling import SamplerSpec
 from tunix_mcjax.engine.session_programs import SessionPrograms
 
 WHOLE = np.iinfo(np.int32).max  # iterations of a slice with no bound
+PIPELINE_SLICES = 2  # a timed step's slices: about this many a budget
 
 
 @dataclasses.dataclass
@@ -48,6 +49,18 @@ class _Replica:
     prompt_users: np.ndarray  # int64 [U]
     done: np.ndarray  # bool [N], as of the last slice
     outputs: Any = None  # the last slice's outputs, on the device
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slice:
+    """A slice dispatched on a replica and not yet read: its outputs and done flags on the
+    device, which session request each slot held when it was dispatched, and when."""
+
+    rep: _Replica
+    outputs: Any
+    done: jax.Array
+    occupants: np.ndarray
+    dispatched: float
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +105,8 @@ class DecodeSession:
         self._kept: dict[int, _Kept] = {}
         self._next_id = 0
         self._iteration_s: float | None = None  # a timed slice's seconds an iteration, last
+        self._running: list[_Slice] | None = None  # a timed step's slice, dispatched, unread
+        self._landed_at: float | None = None  # when a slice was last read
         # Per replica, the loop's counters over the session so far (`JaxEngine.last_stats`).
         self.last_stats: list[dict[str, int]] = [{} for _ in self._replicas]
 
@@ -270,8 +285,9 @@ class DecodeSession:
     def step(self, max_iterations: int | None = None,
              time_budget_s: float | None = None) -> dict[int, Completion]:
         """Run the loop on, at most `max_iterations` iterations (None: until every request is
-        done) and, with `time_budget_s`, in slices until that time is spent (at least one
-        iteration). Returns the requests of the groups that became whole, by request id."""
+        done) and, with `time_budget_s`, in pipelined slices until that time is spent (at least
+        one iteration; `_timed`). Returns the requests of the groups that became whole, by
+        request id."""
         self._check_open()
         if max_iterations is not None and max_iterations < 1:
             raise ValueError(f"max_iterations={max_iterations}: a slice runs at least one loop "
@@ -279,45 +295,92 @@ class DecodeSession:
         if time_budget_s is not None and not time_budget_s > 0:
             raise ValueError(f"time_budget_s={time_budget_s} must be > 0 (None: no budget)")
         if time_budget_s is None:
+            finished = self._land_running()
             self._advance(WHOLE if max_iterations is None else max_iterations)
-            return self._whole_groups()
-        return self._timed(max_iterations, time.monotonic() + time_budget_s)
+            return finished | self._whole_groups()
+        return self._timed(max_iterations, time_budget_s)
 
-    def _timed(self, max_iterations: int | None, deadline: float) -> dict[int, Completion]:
-        """Slices until `deadline`, each sized to the time left by the session's last time an
-        iteration (kept across calls: a caller stepping with a short budget, as streaming
-        does, pays one host sync a call, not one per doubling from a single iteration)."""
+    def _timed(self, max_iterations: int | None, budget_s: float) -> dict[int, Completion]:
+        """Slices of about half the budget each (sized by the session's last seconds an
+        iteration), pipelined: the next slice is dispatched on the donated state before the
+        last one is read, so the device never waits for the host's sync, group fetch or
+        caller. Returns after the read that spends the budget, the next slice still running
+        (the next `step` reads it first); an uncalibrated session first runs one iteration
+        alone, to time it."""
         finished: dict[int, Completion] = {}
+        deadline = time.monotonic() + budget_s
         left = WHOLE if max_iterations is None else max_iterations
         while True:
-            start = time.monotonic()
-            size = 1 if self._iteration_s is None else int(
-                min(left, max(1, (deadline - start) / max(self._iteration_s, 1e-9))))
-            self._advance(size)
+            if self._running is None:
+                size = self._slice_size(left, budget_s)
+                self._running, left = self._launch(size), left - size
+            ahead = None
+            if self._iteration_s is not None and left > 0:
+                size = self._slice_size(left, budget_s)
+                ahead, left = self._launch(size), left - size
+            self._land(self._running)
+            self._running = ahead or None
             finished.update(self._whole_groups())
-            left -= size
-            now = time.monotonic()
-            self._iteration_s = (now - start) / size
-            if not self.unfinished or now >= deadline or left <= 0:
+            if not self.unfinished or left <= 0 or time.monotonic() >= deadline:
                 return finished
 
+    def _slice_size(self, left: int, budget_s: float) -> int:
+        """Iterations of a timed slice: half the budget at the last seconds an iteration (one
+        while uncalibrated), at most `left`."""
+        if self._iteration_s is None:
+            return 1
+        return int(min(left, max(1, budget_s / PIPELINE_SLICES / max(self._iteration_s, 1e-9))))
+
     def _advance(self, max_iterations: int) -> None:
-        """A slice of every replica with requests left, all dispatched before any is read."""
-        busy = [r for r in self._replicas if not r.done.all()]
-        for rep in busy:
-            rep.state, rep.outputs, done = self._programs.advance(
+        """A slice of every replica with requests left, read before it returns."""
+        self._land(self._launch(max_iterations))
+
+    def _launch(self, max_iterations: int) -> list[_Slice]:
+        """A slice of every replica with requests left, dispatched and not read: all are
+        queued before any is read, so the replicas run at once."""
+        launched = []
+        for rep in (r for r in self._replicas if not r.done.all()):
+            rep.state, outputs, done = self._programs.advance(
                 rep.mesh_index, rep.state, rep.inputs, np.int32(max_iterations))
-            rep.done = done
-        for rep in busy:
-            rep.done = np.array(rep.done)  # writable: a join clears its requests
+            launched.append(_Slice(rep, outputs, done, rep.slot_request.copy(),
+                                   time.monotonic()))
+        return launched
+
+    def _land(self, launched: list[_Slice]) -> None:
+        """Read launched slices (waiting for them): their done flags, for the requests each
+        slot held when the slice was dispatched (a slot joined or returned since keeps the
+        host's flag), their counters (a stalled loop is an error) and the session's seconds
+        an iteration."""
+        ran = 0
+        for piece in launched:
+            rep = piece.rep
+            done = np.asarray(piece.done)
             counters = jax.device_get(dataclasses.replace(
-                rep.outputs, tokens=None, logprobs=None, prompt_routing=None, routing=None))
+                piece.outputs, tokens=None, logprobs=None, prompt_routing=None, routing=None))
             if counters.stalled:
                 raise RuntimeError(
                     f"the decode loop stopped with requests left: the KV page pool "
                     f"({self.engine.num_pages} pages) could not hold them; raise "
                     "hbm_utilization_vllm")
-            self.last_stats[rep.mesh_index] = stats_of(counters)
+            stats = stats_of(counters)
+            ran = max(ran, stats["iterations"] - self.last_stats[rep.mesh_index].get(
+                "iterations", 0))
+            self.last_stats[rep.mesh_index] = stats
+            rep.done = np.where(piece.occupants == rep.slot_request, done, rep.done)
+            rep.outputs = piece.outputs
+        now = time.monotonic()
+        if launched and ran:
+            began = max(launched[0].dispatched, self._landed_at or 0.0)
+            self._iteration_s = (now - began) / ran
+        self._landed_at = now
+
+    def _land_running(self) -> dict[int, Completion]:
+        """The groups of the slice a timed step left running (none: {}), read."""
+        if self._running is None:
+            return {}
+        running, self._running = self._running, None
+        self._land(running)
+        return self._whole_groups()
 
     def _whole_groups(self) -> dict[int, Completion]:
         """The undelivered groups whose requests are all done, their slots freed."""

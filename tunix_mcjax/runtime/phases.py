@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from tunix_mcjax.publish import Publisher
 from tunix_mcjax.runtime import exchange, stepmath
 from tunix_mcjax.runtime.engines import ENGINES, default_engine
 from tunix_mcjax.runtime.records import Admission, Rollout
-from tunix_mcjax.runtime.reward_pool import RewardPool
+from tunix_mcjax.runtime.reward_pool import RewardPool, seconds_within
 from tunix_mcjax.tasks import RewardFn, Task
 from tunix_mcjax.tokenizer import unknown_characters
 from tunix_mcjax.train import packing
@@ -164,6 +165,8 @@ class RolloutPhases:
         self.sampling = sampling_params(cfg)
         self.reward_pool = RewardPool(cfg.reward_num_workers, cfg.reward_worker_timeout_seconds)
         self.streamed: list[int] = []  # groups `stream` gave the pool, in the order given
+        self.decode_span = (0.0, 0.0)  # when `stream` last decoded (time.monotonic)
+        self.reward_hidden_s = 0.0  # reward seconds scored while `stream` decoded, unreported
 
     def admit(self, step: int, history: stepmath.LengthHistory,
               global_idx: np.ndarray | None = None) -> Admission:
@@ -198,8 +201,13 @@ class RolloutPhases:
         as it is whole, and is scored while the rest decode (`score` collects them)."""
         g = self.cfg.num_generations
         samples: dict[int, Completion] = {}
-        with self.engine.session(self.sampling, len(requests), group_size=g,
+        # generate's program shape: a prompt slot a group when its requests share their
+        # prompt's pages (more slots changed the samples, and cost decode time), else a request
+        prompt_slots = len(requests) // g if self.cfg.enable_prefix_caching else len(requests)
+        with self.engine.session(self.sampling, len(requests), max_prompts=prompt_slots,
+                                 group_size=g,
                                  max_prompt_length=max(len(r) for r in requests)) as session:
+            start = time.monotonic()
             ids = session.join(requests, seed, group_size=g)
             index = {request_id: i for i, request_id in enumerate(ids)}
             while session.unfinished:
@@ -210,6 +218,7 @@ class RolloutPhases:
                                              [samples[r] for r in ids[group * g:(group + 1) * g]])
                     self.submit_group(adm, group, texts, {})
                     self.streamed.append(group)
+            self.decode_span = (start, time.monotonic())
         return [samples[r] for r in ids]
 
     def score(self, adm: Admission, completions: list[Completion]) -> Scores:
@@ -220,6 +229,7 @@ class RolloutPhases:
         if self.streamed:
             order, self.streamed = np.argsort(self.streamed), []
             parts = self.reward_pool.results()
+            self.reward_hidden_s += seconds_within(self.reward_pool.spans, *self.decode_span)
             return join_scores([parts[i] for i in order])
         return self.score_texts(adm, completion_texts(self.prompts.tokenizer, completions))
 
@@ -276,6 +286,8 @@ class RolloutPhases:
             samples = self.generate(adm, round_)
         with timer.phase("reward"):
             scores = self.score(adm, samples)
+        hidden, self.reward_hidden_s = self.reward_hidden_s, 0.0
+        timer.seconds["reward_hidden"] = timer.seconds.get("reward_hidden", 0.0) + hidden
         seconds = {p: timer.seconds[p] for p in ("admit", "generate", "reward")}
         return self.result(adm, samples, scores, policy_version, seconds)
 

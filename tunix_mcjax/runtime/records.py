@@ -99,12 +99,14 @@ class HostRecord:
     train_compiled: int
     eval: dict[str, Any] | None = None
     turns: dict[str, float] | None = None  # agentic rollouts' turn metrics
+    reward_hidden_s: float = 0.0  # reward seconds scored while the host still decoded
 
     @classmethod
     def of(cls, rollout: Rollout, host: int, step_s: float, phase_s: dict[str, float],
            train: dict[str, float], *, compiled: bool, rows_per_device: int,
            train_compiled: bool, drawn: Sequence[Rollout] = ()) -> HostRecord:
-        """`phase_s`: seconds by phase (absent: 0); `train`: the trainer's metrics; `drawn`:
+        """`phase_s`: seconds by phase (absent: 0), and `reward_hidden` (`RolloutPhases.stream`'s
+        reward seconds while it decoded); `train`: the trainer's metrics; `drawn`:
         every rollout the step drew, when dynamic sampling kept only part of them."""
         drawn = drawn or (rollout,)
         lens = np.array([len(c.tokens) for c in rollout.completions])
@@ -124,7 +126,7 @@ class HostRecord:
             completion_len_by_prompt=rollout.lengths_by_prompt().round(2).tolist(),
             global_prompt_indices=adm.global_indices.tolist(), train=dict(train),
             rows_per_device=rows_per_device, train_compiled=int(train_compiled),
-            turns=rollout.turns)
+            turns=rollout.turns, reward_hidden_s=phase_s.get("reward_hidden", 0.0))
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)

@@ -35,6 +35,7 @@ class _Group:
     started: threading.Event = dataclasses.field(default_factory=threading.Event)
     finished: threading.Event = dataclasses.field(default_factory=threading.Event)
     start_time: float = 0.0
+    end_time: float = 0.0
     value: Any = None
     error: BaseException | None = None
 
@@ -45,6 +46,7 @@ class _Group:
             self.value = self.score()
         except BaseException as e:  # handed to `results`, in the caller's thread
             self.error = e
+        self.end_time = time.monotonic()
         self.finished.set()
 
 
@@ -61,6 +63,8 @@ class RewardPool:
         self.workers, self.timeout_s = worker_count(workers), timeout_s
         self._queue: queue.Queue[_Group] = queue.Queue()
         self._pending: list[_Group] = []
+        # (start, end) of each group the last `results` returned, in time.monotonic's seconds
+        self.spans: list[tuple[float, float]] = []
         for i in range(self.workers):
             threading.Thread(target=self._work, name=f"reward-worker-{i}", daemon=True).start()
 
@@ -91,4 +95,11 @@ class RewardPool:
                     "the reward return in time (a verifier's own timeout)")
             if group.error is not None:
                 raise group.error
+        self.spans = [(group.start_time, group.end_time) for group in pending]
         return [group.value for group in pending]
+
+
+def seconds_within(spans: list[tuple[float, float]], start: float, end: float) -> float:
+    """The seconds of `spans` that fall in [start, end], summed (a span per group: with
+    several workers, more than end - start)."""
+    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)
