@@ -206,6 +206,21 @@ def test_page_pool_counts_in_generate_or_in_every_phase_when_kept():
             it["prefill chunk scratch"], it["decode scratch"]) + it["engine weights cast"]
 
 
+def test_quantized_engine_weights_cast_one_layer_at_a_time():
+    """Under quantization the projections are dequantized inside the layer scan: a model call
+    holds one layer's in the compute dtype (Qwen3-0.6B: 1024 x (2*2048 + 2*1024 + 3*3072)
+    values, bf16), plus, when the engine keeps its weights in another dtype, the leaves it
+    keeps whole (fp32 embedding and norms); never the whole model's copy."""
+    cfg = profile_config("gsm8k", train_micro_batch_size=1, quantization="int8")
+    layer = 1024 * (2 * 2048 + 2 * 1024 + 3 * 3072) * 2
+    for weights, whole in (("bfloat16", 0), ("float32", 151_936 * 1024 + 1024)):
+        c = cfg.replace(rollout_weight_dtype=weights)
+        it = plan.plan(c, V7X_8_CHIPS, plan.model_config_for(c)).items
+        norms = 28 * (2 * 1024 + 2 * 128)  # a layer's two norms and q/k norms
+        assert it["engine weights cast"] == layer + (whole + norms * (whole > 0)) * 2
+    assert layer < 0.03 * 2 * QWEN3_0P6B_PARAMS  # against a whole bf16 copy
+
+
 def test_group_sharing_pages_and_chunked_prefill_at_the_caps():
     """SWE on 8 chips: a replica's 128 requests are 16 prompts of 960 pages, shared by their 8
     generations; 64 rows own 64 pages each. One prefill row of 2,048 tokens per iteration."""

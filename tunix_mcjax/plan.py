@@ -273,11 +273,25 @@ def paged_engine_items(cfg: Config, shape: PagedShape, m: ModelShape) -> dict[st
         "prefill chunk scratch": prefill + shape.prefill_rows * 4 * m.vocab,
         "decode scratch": decode + shape.num_slots * SAMPLER_LOGIT_COPIES * 4 * m.vocab,
         "prompt logits": shape.num_prompts * 4 * m.vocab,
-        # Weights kept in another dtype than the compute dtype (fp32 weights, bf16 compute):
-        # XLA casts all of them at once in each model call and holds the copies through it.
-        "engine weights cast": 0 if engine_weight_dtype(cfg) == cfg.dtype
-        else m.param_count * c // tp,
+        "engine weights cast": engine_cast_bytes(cfg, m) // tp,
     }
+
+
+def engine_cast_bytes(cfg: Config, m: ModelShape) -> int:
+    """The engine's weights in the compute dtype that a model call holds beside them. Weights
+    kept in another dtype (fp32 weights, bf16 compute): XLA casts all of them at once in each
+    call and holds the copies through it. Under `quantization`, the leaves kept whole are cast
+    so, and the projections are dequantized one layer at a time inside the layer scan (an
+    untied lm head after it, whole): one layer's and the head's, at most (on TPU XLA fuses the
+    dequantize into the matmul: none)."""
+    c = DTYPE_BYTES[cfg.dtype]
+    whole = engine_weight_dtype(cfg) != cfg.dtype
+    if not cfg.quantization:
+        return m.param_count * c if whole else 0
+    values, _ = quantize.quantized_sizes(m)
+    layer = m.embed * (2 * m.q_width + 2 * m.kv_width + 3 * m.mlp)
+    head = values - m.layers * layer
+    return ((m.param_count - values) * whole + max(layer, head)) * c
 
 
 def generate_scratch(items: dict[str, int]) -> int:
