@@ -12,8 +12,13 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from tunix_mcjax.engine import pages as pg
-from tunix_mcjax.engine.block_tables import evict_prompts, note_usage, row_prompts, vacate_rows
+from tunix_mcjax.engine.block_tables import (
+    evict_prompts,
+    note_usage,
+    row_prompts,
+    take_pages,
+    vacate_rows,
+)
 from tunix_mcjax.engine.loop_state import (
     ABSENT,
     KEPT,
@@ -117,10 +122,10 @@ def start_prefills(shape: ProgramShape, inp: Inputs, state: LoopState) -> LoopSt
     want = missing_pages(shape, inp, state, prompt) & first[:, None]
     start = first & (jnp.cumsum(jnp.where(first, jnp.sum(want, axis=1) + 1, 0))
                      <= state.free.count)
-    taken, free = pg.take(state.free, want & start[:, None])
+    taken, state = take_pages(state, want & start[:, None])
     prompts = state.prompts
     tables = jnp.where(start[:, None] & want, taken, prompts.tables[prompt])
-    return note_usage(replace(state, free=free, prompts=replace(
+    return note_usage(replace(state, prompts=replace(
         prompts,
         tables=set_where(prompts.tables, prompt, tables, start),
         status=set_where(prompts.status, prompt, PREFILLING, start),
@@ -205,8 +210,8 @@ def schedule_decode(shape: ProgramShape, inp: Inputs,
     rows = jnp.arange(shape.num_slots)
     need = state.rows.active & (state.rows.tables[rows, column] < 0)
     state, need = make_room(shape, inp, state, need)
-    taken, free = pg.take(state.free, need)
+    taken, state = take_pages(state, need)
     tables = state.rows.tables.at[rows, column].set(
         jnp.where(need, taken, state.rows.tables[rows, column]))
-    state = note_usage(replace(state, free=free, rows=replace(state.rows, tables=tables)))
+    state = note_usage(replace(state, rows=replace(state.rows, tables=tables)))
     return state, DecodeRows(prompt, position, column)
