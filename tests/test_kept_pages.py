@@ -128,6 +128,10 @@ def test_release_frees_a_kept_conversation_and_bad_continuations_are_refused(eng
                          continue_from=[ids[0]])
         with pytest.raises(ValueError, match="no kept pages to release"):
             session.release(ids[0])
+        with pytest.raises(ValueError, match="twice"):
+            session.release([ids[1], ids[1]])
+        session.release([ids[1]])
+        assert session.kept == [] and pool_pages(session) == (engine.num_pages, 0)
 
 
 def pool_pages(session) -> tuple[int, int]:

@@ -156,9 +156,9 @@ class _KeptPages:
         return sum(stats.get("prefill_tokens", 0) for stats in self.session.last_stats)
 
     def release_ended(self, chunk: list[Conversation]) -> None:
-        for c in chunk:
-            if not c.running and id(c) in self.kept:
-                self.session.release(self.kept.pop(id(c)))
+        ended = [self.kept.pop(id(c)) for c in chunk if not c.running and id(c) in self.kept]
+        if ended:
+            self.session.release(ended)
 
     def close(self) -> None:
         self.session.close()

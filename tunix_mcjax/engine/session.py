@@ -402,16 +402,24 @@ class DecodeSession:
         if not kept and keep_slot not in (-1, prompt_slot):
             rep.prompt_users[keep_slot] -= 1
 
-    def release(self, request_id: int) -> None:
-        """Free a returned request's kept pages (`join(keep=True)`) and its prompt slot."""
+    def release(self, request_ids: int | Sequence[int]) -> None:
+        """Free returned requests' kept pages (`join(keep=True)`) and keep slots: one program
+        a replica. An error naming a request with no kept pages frees nothing."""
         self._check_open()
-        kept = self._kept.pop(request_id, None)
-        if kept is None:
-            raise ValueError(f"request {request_id} has no kept pages to release")
-        rep = self._replicas[kept.replica]
-        released = np.arange(self.shape.num_prompts) == kept.prompt_slot
-        rep.state = self._programs.release(rep.mesh_index, rep.state, released)
-        rep.prompt_users[kept.prompt_slot] -= 1
+        ids = [request_ids] if isinstance(request_ids, int) else list(request_ids)
+        if len(set(ids)) < len(ids):
+            raise ValueError(f"release names a request twice: {ids}")
+        if bad := [i for i in ids if i not in self._kept]:
+            raise ValueError(f"request {bad[0]} has no kept pages to release")
+        released = {r.mesh_index: np.zeros((self.shape.num_prompts,), bool)
+                    for r in self._replicas}
+        for kept in map(self._kept.pop, ids):
+            released[kept.replica][kept.prompt_slot] = True
+            self._replicas[kept.replica].prompt_users[kept.prompt_slot] -= 1
+        for replica, mask in released.items():
+            if mask.any():
+                rep = self._replicas[replica]
+                rep.state = self._programs.release(rep.mesh_index, rep.state, mask)
 
     @property
     def kept(self) -> list[int]:
