@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -111,14 +112,7 @@ def start_prefills(shape: ProgramShape, inp: Inputs, state: LoopState) -> LoopSt
     prompt (a conversation's pages, `Prompts.base` tokens resident) takes only the pages its
     new tokens need, and its prefill starts at its base."""
     state = reclaim_kept(shape, inp, state)
-    order = jnp.argsort(waiting_priority(state))[: shape.num_slots]
-    free_rows = shape.num_slots - jnp.sum(state.rows.active)
-    waiting = jnp.sum(state.requests.waiting)
-    candidate = jnp.arange(shape.num_slots) < jnp.minimum(free_rows, waiting)
-    prompt = jnp.maximum(inp.request_prompts[order], 0)
-    earlier = jnp.tril(prompt[:, None] == prompt[None, :], k=-1) & candidate[None, :]
-    status = state.prompts.status[prompt]
-    first = candidate & ~jnp.any(earlier, axis=1) & ((status == ABSENT) | (status == KEPT))
+    prompt, first = next_starts(shape, inp, state)
     want = missing_pages(shape, inp, state, prompt) & first[:, None]
     start = first & (jnp.cumsum(jnp.where(first, jnp.sum(want, axis=1) + 1, 0))
                      <= state.free.count)
@@ -134,6 +128,22 @@ def start_prefills(shape: ProgramShape, inp: Inputs, state: LoopState) -> LoopSt
     )))
 
 
+def next_starts(shape: ProgramShape, inp: Inputs,
+                state: LoopState) -> tuple[jax.Array, jax.Array]:
+    """The prompts of the waiting requests that would take the free rows next, in that order,
+    [num_slots], and which of them start a prefill (the first request of an absent or kept
+    prompt)."""
+    order = jnp.argsort(waiting_priority(state))[: shape.num_slots]
+    free_rows = shape.num_slots - jnp.sum(state.rows.active)
+    waiting = jnp.sum(state.requests.waiting)
+    candidate = jnp.arange(shape.num_slots) < jnp.minimum(free_rows, waiting)
+    prompt = jnp.maximum(inp.request_prompts[order], 0)
+    earlier = jnp.tril(prompt[:, None] == prompt[None, :], k=-1) & candidate[None, :]
+    status = state.prompts.status[prompt]
+    first = candidate & ~jnp.any(earlier, axis=1) & ((status == ABSENT) | (status == KEPT))
+    return prompt, first
+
+
 def missing_pages(shape: ProgramShape, inp: Inputs, state: LoopState,
                   prompt: jax.Array) -> jax.Array:
     """bool [len(prompt), prompt_pages]: the pages each prompt's tokens need that its table
@@ -144,30 +154,42 @@ def missing_pages(shape: ProgramShape, inp: Inputs, state: LoopState,
 
 
 def reclaim_kept(shape: ProgramShape, inp: Inputs, state: LoopState) -> LoopState:
-    """With no row running, evict idle prompts (kept conversations first) until the first
-    waiting request's prompt can start: kept pages never stall the loop."""
+    """With no row running, evict kept conversations no request waits on until the prompts
+    of the next waiting requests can all start (`next_starts`: one iteration, not one a
+    request), then idle prompts (kept conversations first) until the first of them can:
+    kept pages never stall the loop."""
     first = jnp.argmin(waiting_priority(state))
     prompt = jnp.maximum(inp.request_prompts[first], 0)
     index = jnp.arange(shape.num_prompts)
 
-    def short(state: LoopState) -> jax.Array:
+    def all_short(state: LoopState) -> jax.Array:
+        starts, starting = next_starts(shape, inp, state)
+        need = jnp.sum(missing_pages(shape, inp, state, starts) & starting[:, None])
+        return ~jnp.any(state.rows.active) & (need + jnp.sum(starting) > state.free.count)
+
+    def first_short(state: LoopState) -> jax.Array:
         status = state.prompts.status[prompt]
         need = jnp.sum(missing_pages(shape, inp, state, prompt[None])) + 1
         return (~jnp.any(state.rows.active) & state.requests.waiting[first]
-                & ((status == ABSENT) | (status == KEPT)) & (need > state.free.count)
-                & jnp.any(evictable(state)))
+                & ((status == ABSENT) | (status == KEPT)) & (need > state.free.count))
 
-    def evictable(state: LoopState) -> jax.Array:
+    def finished(state: LoopState) -> jax.Array:
+        prompts = state.prompts
+        return (prompts.status == KEPT) & (prompts.left == 0) & (prompts.rows == 0)
+
+    def idle(state: LoopState) -> jax.Array:
         prompts = state.prompts
         return (prompts.status != ABSENT) & (prompts.rows == 0) & (index != prompt)
 
-    def evict_one(state: LoopState) -> LoopState:
-        idle = evictable(state)
-        kept = idle & (state.prompts.status == KEPT) & (state.prompts.left == 0)
-        pick = jnp.argmax(jnp.where(jnp.any(kept), kept, idle))
-        return evict_prompts(state, index == pick)
+    def evict_while(state: LoopState, short: Any, evictable: Any) -> LoopState:
+        def evict_one(state: LoopState) -> LoopState:
+            pick = jnp.argmax(jnp.where(jnp.any(finished(state)), finished(state),
+                                        evictable(state)))
+            return evict_prompts(state, index == pick)
 
-    return jax.lax.while_loop(short, evict_one, state)
+        return jax.lax.while_loop(lambda s: short(s) & jnp.any(evictable(s)), evict_one, state)
+
+    return evict_while(evict_while(state, all_short, finished), first_short, idle)
 
 
 def prefill_chunks(shape: ProgramShape, inp: Inputs, state: LoopState) -> PrefillChunks:
