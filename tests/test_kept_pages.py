@@ -153,8 +153,10 @@ def test_a_group_prefills_its_prompt_once_and_its_kept_conversations_share_its_p
     prompts = [p for p in GROUPS for _ in range(GROUP)]
     want_first = engine.generate(prompts, SAMPLE, seed=1)
     again = [prompts[i] + want_first[i].tokens.tolist() + OBSERVED[i % 4]
-             for i in range(1, len(prompts))]
-    want_second = engine.generate(again, SAMPLE, seed=2)
+             for i in range(len(prompts))]
+    # Member 0 is released; the rest of its group continues, then the other group.
+    want = engine.generate(again[1:GROUP], SAMPLE, seed=2), engine.generate(again[GROUP:],
+                                                                            SAMPLE, seed=3)
     with engine.session(SAMPLE, max_requests=8, max_prompts=16, max_prompt_length=PROMPT_LEN,
                         group_size=GROUP) as session:
         ids = session.join(prompts, seed=1, group_size=GROUP, keep=True)
@@ -167,16 +169,23 @@ def test_a_group_prefills_its_prompt_once_and_its_kept_conversations_share_its_p
         assert pool_pages(session) == (engine.num_pages - shared - sum(own), shared + sum(own))
         session.release(ids[0])  # its own pages go back; the group's stay with the others
         assert pool_pages(session)[1] == shared + sum(own) - own[0]
-        session.join(FILLER, seed=7)  # page pressure evicts kept conversations
+        got, prefilled = continue_turn(session, again[1:GROUP], 2, ids[1:GROUP])
+        assert_same_samples(got, want[0])
+        assert prefilled == sum(len(OBSERVED[i]) + 1 for i in range(1, GROUP))
+        session.join(FILLER, seed=7)  # page pressure evicts the other group's conversations
         session.step()
-        before = session.last_stats[0]["prefill_tokens"]
-        second_ids = session.join(again, seed=2, continue_from=ids[1:])
-        second = session.step()
-        prefilled = session.last_stats[0]["prefill_tokens"] - before
+        got, prefilled = continue_turn(session, again[GROUP:], 3, ids[GROUP:])
+        assert_same_samples(got, want[1])
+        assert sum(len(o) + 1 for o in OBSERVED) < prefilled <= sum(map(len, again[GROUP:]))
         assert session.kept == [] and pool_pages(session) == (engine.num_pages, 0)
-    assert_same_samples([second[i] for i in second_ids], want_second)
-    new_only = sum(len(OBSERVED[i % 4]) + 1 for i in range(1, len(prompts)))
-    assert new_only < prefilled < sum(map(len, again))  # some were evicted, not all
+
+
+def continue_turn(session, prompts, seed, kept_ids):
+    """The kept conversations' next turn: (its completions, the tokens it prefilled)."""
+    before = session.last_stats[0]["prefill_tokens"]
+    ids = session.join(prompts, seed=seed, continue_from=kept_ids)
+    done = session.step()
+    return [done[i] for i in ids], session.last_stats[0]["prefill_tokens"] - before
 
 
 def demo_conversations(parser):
