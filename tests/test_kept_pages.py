@@ -1,8 +1,10 @@
 """Kept pages (`DecodeSession.join(keep=True, continue_from=...)`): a conversation's second
 turn starts from the pages its first turn left, prefills only its new tokens (the loop's
 `prefill_tokens`) and samples what a full re-prefill samples (`generate`); under page pressure
-kept pages are evicted and re-prefilled, the samples unchanged. One engine for the module (tiny
-Qwen3, CPU), its pool small enough that filler requests evict kept conversations."""
+kept pages are evicted and re-prefilled, the samples unchanged. A GRPO group's kept
+conversations prefill their prompt once and share its full pages, each page freed when its last
+holder lets go. One engine for the module (tiny Qwen3, CPU), its pool small enough that filler
+requests evict kept conversations."""
 
 import jax
 import numpy as np
@@ -28,6 +30,8 @@ FIRST = [_rng.integers(10, 90, n).tolist() for n in (3, 6, 9, 13)]
 OBSERVED = [_rng.integers(10, 90, n).tolist() for n in (2, 5, 3, 4)]  # the tools' tokens
 FILLER = [_rng.integers(10, 90, 28).tolist() for _ in range(4)]  # unrelated requests
 CAPACITY = dict(max_requests=8, max_prompts=8, max_prompt_length=PROMPT_LEN)
+GROUP = 4
+GROUPS = [_rng.integers(10, 90, n).tolist() for n in (10, 7)]  # two GRPO groups' prompts
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +128,64 @@ def test_release_frees_a_kept_conversation_and_bad_continuations_are_refused(eng
                          continue_from=[ids[0]])
         with pytest.raises(ValueError, match="no kept pages to release"):
             session.release(ids[0])
+        with pytest.raises(ValueError, match="twice"):
+            session.release([ids[1], ids[1]])
+        session.release([ids[1]])
+        assert session.kept == [] and pool_pages(session) == (engine.num_pages, 0)
+
+
+def pool_pages(session) -> tuple[int, int]:
+    """(free pages, pages with a holder) of the session's replica; no page held below zero."""
+    state = session._replicas[0].state
+    refs = np.asarray(state.refs)
+    assert refs.min() >= 0
+    return int(state.free.count), int(np.sum(refs > 0))
+
+
+def own_pages(prompt_len: int, completion) -> int:
+    """Pages a kept conversation holds beyond its prompt's full pages: those of its resident
+    tokens (prompt and completion but the last) past them."""
+    resident = prompt_len + len(completion.tokens) - 1
+    return -(-resident // 4) - prompt_len // 4
+
+
+def test_a_group_prefills_its_prompt_once_and_its_kept_conversations_share_its_pages(engine):
+    prompts = [p for p in GROUPS for _ in range(GROUP)]
+    want_first = engine.generate(prompts, SAMPLE, seed=1)
+    again = [prompts[i] + want_first[i].tokens.tolist() + OBSERVED[i % 4]
+             for i in range(len(prompts))]
+    # Member 0 is released; the rest of its group continues, then the other group.
+    want = engine.generate(again[1:GROUP], SAMPLE, seed=2), engine.generate(again[GROUP:],
+                                                                            SAMPLE, seed=3)
+    with engine.session(SAMPLE, max_requests=8, max_prompts=16, max_prompt_length=PROMPT_LEN,
+                        group_size=GROUP) as session:
+        ids = session.join(prompts, seed=1, group_size=GROUP, keep=True)
+        first = session.step()
+        assert session.last_stats[0]["prefill_tokens"] == sum(map(len, GROUPS))
+        assert_same_samples([first[i] for i in ids], want_first)
+        own = [own_pages(len(p), first[i]) for p, i in zip(prompts, ids, strict=True)]
+        # Each group's full prompt pages held once, by all its kept conversations together.
+        shared = sum(len(p) // 4 for p in GROUPS)
+        assert pool_pages(session) == (engine.num_pages - shared - sum(own), shared + sum(own))
+        session.release(ids[0])  # its own pages go back; the group's stay with the others
+        assert pool_pages(session)[1] == shared + sum(own) - own[0]
+        got, prefilled = continue_turn(session, again[1:GROUP], 2, ids[1:GROUP])
+        assert_same_samples(got, want[0])
+        assert prefilled == sum(len(OBSERVED[i]) + 1 for i in range(1, GROUP))
+        session.join(FILLER, seed=7)  # page pressure evicts the other group's conversations
+        session.step()
+        got, prefilled = continue_turn(session, again[GROUP:], 3, ids[GROUP:])
+        assert_same_samples(got, want[1])
+        assert sum(len(o) + 1 for o in OBSERVED) < prefilled <= sum(map(len, again[GROUP:]))
+        assert session.kept == [] and pool_pages(session) == (engine.num_pages, 0)
+
+
+def continue_turn(session, prompts, seed, kept_ids):
+    """The kept conversations' next turn: (its completions, the tokens it prefilled)."""
+    before = session.last_stats[0]["prefill_tokens"]
+    ids = session.join(prompts, seed=seed, continue_from=kept_ids)
+    done = session.step()
+    return [done[i] for i in ids], session.last_stats[0]["prefill_tokens"] - before
 
 
 def demo_conversations(parser):

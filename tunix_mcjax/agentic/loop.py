@@ -6,7 +6,9 @@ On an engine with sessions (jax, maxtext: `engine.session`) the rounds run on on
 keeps each conversation's pages between turns (`join(keep=True, continue_from=...)`): a turn
 prefills only the tokens added since the last (the tools', and the last sampled token), unless
 page pressure evicted the conversation, which is then prefilled in full; the samples are those
-of a full re-prefill. Other engines (vllm) take a `generate` per round.
+of a full re-prefill. A group's equal first prompts join as one group, so the prompt is
+prefilled once and its full pages are shared by the group's kept conversations. Other engines
+(vllm) take a `generate` per round.
 
 A conversation waiting on its tool holds no decode slot: it is out of the engine until the
 round's tools have answered (or timed out). Rounds are deterministic in (seed, round), so a
@@ -138,8 +140,9 @@ class _KeptPages:
         it (the session decodes up to the turn cap; the keys are the same)."""
         contexts = [c.context() for c in chunk]
         self.full += sum(map(len, contexts))
-        ids = self.session.join(contexts, seed, keep=True,
-                                continue_from=[self.kept.pop(id(c), None) for c in chunk])
+        previous = [self.kept.pop(id(c), None) for c in chunk]
+        ids = self.session.join(contexts, seed, group_size=equal_runs(contexts, previous),
+                                keep=True, continue_from=previous)
         done: dict[int, Completion] = {}
         while self.session.unfinished:
             done.update(self.session.step())
@@ -153,12 +156,25 @@ class _KeptPages:
         return sum(stats.get("prefill_tokens", 0) for stats in self.session.last_stats)
 
     def release_ended(self, chunk: list[Conversation]) -> None:
-        for c in chunk:
-            if not c.running and id(c) in self.kept:
-                self.session.release(self.kept.pop(id(c)))
+        ended = [self.kept.pop(id(c)) for c in chunk if not c.running and id(c) in self.kept]
+        if ended:
+            self.session.release(ended)
 
     def close(self) -> None:
         self.session.close()
+
+
+def equal_runs(contexts: Sequence[np.ndarray], previous: Sequence[int | None]) -> list[int]:
+    """A round's join groups: each run of consecutive equal contexts that continue nothing
+    (a GRPO group's first turn, prefilled once), and each continuing conversation alone."""
+    sizes: list[int] = []
+    for i, context in enumerate(contexts):
+        if (i and previous[i] is None and previous[i - 1] is None
+                and np.array_equal(context, contexts[i - 1])):
+            sizes[-1] += 1
+        else:
+            sizes.append(1)
+    return sizes
 
 
 def _cut(completion: Completion, max_new: int) -> Completion:
@@ -175,11 +191,13 @@ def _open_decoder(engine: Engine, sampling: SamplingParams,
     `generate` per round."""
     if not keep_pages or not hasattr(engine, "session") or not conversations:
         return _Generate(engine)
-    try:
+    groups = equal_runs([c.context() for c in conversations], [None] * len(conversations))
+    try:  # a prompt slot a conversation, and one more a shared first prompt
         session = engine.session(
             dataclasses.replace(sampling, max_new_tokens=limits.max_turn_tokens),
             max_requests=min(len(conversations), limits.max_concurrency),
-            max_prompts=len(conversations))
+            max_prompts=len(conversations) + sum(g > 1 for g in groups),
+            group_size=min(max(groups), limits.max_concurrency))
     except NotImplementedError:  # vllm, or a lockstep / wave-batched loop
         return _Generate(engine)
     if session.shape.routing is not None:  # routing replay needs every token's experts

@@ -332,8 +332,8 @@ class Agentic:
         "(status tool_timeout, reward 0).", check=positive())
     agentic_keep_pages: bool = key(
         False, "A conversation keeps its KV pages between turns (jax and maxtext engines), so "
-        "a turn prefills only its new tokens; off by default until a group's first turn "
-        "shares its prompt pages (docs/agentic.md).", runtime_only=True)
+        "a turn prefills only its new tokens; off by default: the tokens saved have not yet "
+        "made a step faster (docs/agentic.md).", runtime_only=True)
 
 
 @section

@@ -95,7 +95,8 @@ def initial_state(shape: ProgramShape, inp: Inputs, pool: Any, vocab: int) -> Lo
     stats = Stats(iterations=zero, prefill_steps=zero, preemptions=zero, shared_pages=zero,
                   peak_pages=zero, packed_steps=zero, stalled=jnp.bool_(False),
                   prefill_tokens=zero)
-    return LoopState(pool=pool, free=pg.full_stack(shape.num_pages), prompts=prompts, rows=rows,
+    return LoopState(pool=pool, free=pg.full_stack(shape.num_pages),
+                     refs=jnp.zeros((shape.num_pages,), jnp.int32), prompts=prompts, rows=rows,
                      requests=requests, stats=stats)
 
 
@@ -212,8 +213,9 @@ def build_advance(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
 def join(state: LoopState, inp: Inputs, joined: jax.Array, keep: jax.Array) -> LoopState:
     """`state` with the requests where `joined` [N] waiting afresh on their prompts (`inp`'s
     `request_prompts`): a slot that held a finished request starts over. Those where `keep`
-    [N] leave their pages to their prompt slot when done (`block_tables.keep_rows`); a prompt
-    slot still KEPT continues from its pages (`scheduler.start_prefills`)."""
+    [N] leave their pages to their keep slot when done (`Inputs.request_kept`,
+    `block_tables.keep_rows`); a prompt slot still KEPT continues from its pages
+    (`scheduler.start_prefills`)."""
     requests, prompt = state.requests, jnp.maximum(inp.request_prompts, 0)
     return replace(state, requests=replace(
         requests, done=requests.done & ~joined, running=requests.running & ~joined,

@@ -81,6 +81,9 @@ class Inputs:
     top_p: jax.Array  # float32
     stop_ids: jax.Array  # int32 [K], -1 padded: tokens that end a sequence
     max_new_tokens: jax.Array  # int32
+    # int32 [N]: the prompt slot a request keeps its pages in when done (`Requests.keep`; a
+    # session's, `engine.session`), -1: none; None: no request keeps pages (`generate`).
+    request_kept: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,7 +146,7 @@ class Requests:
     tokens: jax.Array  # int32 [N, max_new]
     logprobs: jax.Array  # float32 [N, max_new]
     lengths: jax.Array  # int32 [N]
-    keep: jax.Array  # bool [N]: when done, its pages stay as its prompt's (status KEPT)
+    keep: jax.Array  # bool [N]: when done, its pages stay in its keep slot (status KEPT)
     routing: jax.Array | None = None  # int32 [N, max_new, layers, k] (`Outputs`)
 
     @property
@@ -169,6 +172,7 @@ class Stats:
 class LoopState:
     pool: Any  # the model's page arrays
     free: pg.FreeStack
+    refs: jax.Array  # int32 [num_pages]: each page's holders (`engine.block_tables`)
     prompts: Prompts
     rows: Rows
     requests: Requests

@@ -80,14 +80,14 @@ class ModelRunner:
     def _admit(self, state: LoopState, adm: Admission) -> LoopState:
         shape, inp = self.shape, self.inp
         b = shape.num_slots
-        table, copy, source, free = admission_tables(shape, state, adm.prompt, adm.full,
-                                                     adm.ready & adm.partial)
+        table, copy, source, state = admission_tables(shape, state, adm.prompt, adm.full,
+                                                      adm.ready & adm.partial)
         pool = self.model.copy_page(state.pool, jnp.maximum(source, 0),
                                     jnp.where(copy >= 0, copy, shape.num_pages))
         fresh = adm.ready & (state.requests.lengths[adm.request] == 0)
         zero = jnp.zeros((b,), jnp.int32)
         tokens, logprobs = self.draw(state.prompts.logits[adm.prompt], adm.request, zero)
-        state = record(note_usage(replace(state, pool=pool, free=free)), adm.request, zero,
+        state = record(note_usage(replace(state, pool=pool)), adm.request, zero,
                        tokens, logprobs, fresh)
         first = state.requests.tokens[adm.request, 0]
         state = seat_rows(shape, state, adm, table, first)

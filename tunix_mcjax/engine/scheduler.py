@@ -8,12 +8,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from tunix_mcjax.engine import pages as pg
-from tunix_mcjax.engine.block_tables import evict_prompts, note_usage, row_prompts, vacate_rows
+from tunix_mcjax.engine.block_tables import (
+    evict_prompts,
+    note_usage,
+    row_prompts,
+    take_pages,
+    vacate_rows,
+)
 from tunix_mcjax.engine.loop_state import (
     ABSENT,
     KEPT,
@@ -106,6 +112,27 @@ def start_prefills(shape: ProgramShape, inp: Inputs, state: LoopState) -> LoopSt
     prompt (a conversation's pages, `Prompts.base` tokens resident) takes only the pages its
     new tokens need, and its prefill starts at its base."""
     state = reclaim_kept(shape, inp, state)
+    prompt, first = next_starts(shape, inp, state)
+    want = missing_pages(shape, inp, state, prompt) & first[:, None]
+    start = first & (jnp.cumsum(jnp.where(first, jnp.sum(want, axis=1) + 1, 0))
+                     <= state.free.count)
+    taken, state = take_pages(state, want & start[:, None])
+    prompts = state.prompts
+    tables = jnp.where(start[:, None] & want, taken, prompts.tables[prompt])
+    return note_usage(replace(state, prompts=replace(
+        prompts,
+        tables=set_where(prompts.tables, prompt, tables, start),
+        status=set_where(prompts.status, prompt, PREFILLING, start),
+        next_chunk=set_where(prompts.next_chunk, prompt, 0, start),
+        readers=set_where(prompts.readers, prompt, 0, start),
+    )))
+
+
+def next_starts(shape: ProgramShape, inp: Inputs,
+                state: LoopState) -> tuple[jax.Array, jax.Array]:
+    """The prompts of the waiting requests that would take the free rows next, in that order,
+    [num_slots], and which of them start a prefill (the first request of an absent or kept
+    prompt)."""
     order = jnp.argsort(waiting_priority(state))[: shape.num_slots]
     free_rows = shape.num_slots - jnp.sum(state.rows.active)
     waiting = jnp.sum(state.requests.waiting)
@@ -114,19 +141,7 @@ def start_prefills(shape: ProgramShape, inp: Inputs, state: LoopState) -> LoopSt
     earlier = jnp.tril(prompt[:, None] == prompt[None, :], k=-1) & candidate[None, :]
     status = state.prompts.status[prompt]
     first = candidate & ~jnp.any(earlier, axis=1) & ((status == ABSENT) | (status == KEPT))
-    want = missing_pages(shape, inp, state, prompt) & first[:, None]
-    start = first & (jnp.cumsum(jnp.where(first, jnp.sum(want, axis=1) + 1, 0))
-                     <= state.free.count)
-    taken, free = pg.take(state.free, want & start[:, None])
-    prompts = state.prompts
-    tables = jnp.where(start[:, None] & want, taken, prompts.tables[prompt])
-    return note_usage(replace(state, free=free, prompts=replace(
-        prompts,
-        tables=set_where(prompts.tables, prompt, tables, start),
-        status=set_where(prompts.status, prompt, PREFILLING, start),
-        next_chunk=set_where(prompts.next_chunk, prompt, 0, start),
-        readers=set_where(prompts.readers, prompt, 0, start),
-    )))
+    return prompt, first
 
 
 def missing_pages(shape: ProgramShape, inp: Inputs, state: LoopState,
@@ -139,30 +154,42 @@ def missing_pages(shape: ProgramShape, inp: Inputs, state: LoopState,
 
 
 def reclaim_kept(shape: ProgramShape, inp: Inputs, state: LoopState) -> LoopState:
-    """With no row running, evict idle prompts (kept conversations first) until the first
-    waiting request's prompt can start: kept pages never stall the loop."""
+    """With no row running, evict kept conversations no request waits on until the prompts
+    of the next waiting requests can all start (`next_starts`: one iteration, not one a
+    request), then idle prompts (kept conversations first) until the first of them can:
+    kept pages never stall the loop."""
     first = jnp.argmin(waiting_priority(state))
     prompt = jnp.maximum(inp.request_prompts[first], 0)
     index = jnp.arange(shape.num_prompts)
 
-    def short(state: LoopState) -> jax.Array:
+    def all_short(state: LoopState) -> jax.Array:
+        starts, starting = next_starts(shape, inp, state)
+        need = jnp.sum(missing_pages(shape, inp, state, starts) & starting[:, None])
+        return ~jnp.any(state.rows.active) & (need + jnp.sum(starting) > state.free.count)
+
+    def first_short(state: LoopState) -> jax.Array:
         status = state.prompts.status[prompt]
         need = jnp.sum(missing_pages(shape, inp, state, prompt[None])) + 1
         return (~jnp.any(state.rows.active) & state.requests.waiting[first]
-                & ((status == ABSENT) | (status == KEPT)) & (need > state.free.count)
-                & jnp.any(evictable(state)))
+                & ((status == ABSENT) | (status == KEPT)) & (need > state.free.count))
 
-    def evictable(state: LoopState) -> jax.Array:
+    def finished(state: LoopState) -> jax.Array:
+        prompts = state.prompts
+        return (prompts.status == KEPT) & (prompts.left == 0) & (prompts.rows == 0)
+
+    def idle(state: LoopState) -> jax.Array:
         prompts = state.prompts
         return (prompts.status != ABSENT) & (prompts.rows == 0) & (index != prompt)
 
-    def evict_one(state: LoopState) -> LoopState:
-        idle = evictable(state)
-        kept = idle & (state.prompts.status == KEPT) & (state.prompts.left == 0)
-        pick = jnp.argmax(jnp.where(jnp.any(kept), kept, idle))
-        return evict_prompts(state, index == pick)
+    def evict_while(state: LoopState, short: Any, evictable: Any) -> LoopState:
+        def evict_one(state: LoopState) -> LoopState:
+            pick = jnp.argmax(jnp.where(jnp.any(finished(state)), finished(state),
+                                        evictable(state)))
+            return evict_prompts(state, index == pick)
 
-    return jax.lax.while_loop(short, evict_one, state)
+        return jax.lax.while_loop(lambda s: short(s) & jnp.any(evictable(s)), evict_one, state)
+
+    return evict_while(evict_while(state, all_short, finished), first_short, idle)
 
 
 def prefill_chunks(shape: ProgramShape, inp: Inputs, state: LoopState) -> PrefillChunks:
@@ -205,8 +232,8 @@ def schedule_decode(shape: ProgramShape, inp: Inputs,
     rows = jnp.arange(shape.num_slots)
     need = state.rows.active & (state.rows.tables[rows, column] < 0)
     state, need = make_room(shape, inp, state, need)
-    taken, free = pg.take(state.free, need)
+    taken, state = take_pages(state, need)
     tables = state.rows.tables.at[rows, column].set(
         jnp.where(need, taken, state.rows.tables[rows, column]))
-    state = note_usage(replace(state, free=free, rows=replace(state.rows, tables=tables)))
+    state = note_usage(replace(state, rows=replace(state.rows, tables=tables)))
     return state, DecodeRows(prompt, position, column)

@@ -8,6 +8,10 @@ returns the GRPO groups that became whole, each only once all its requests are d
 adds requests to the running loop, into request and prompt slots that are free (never used, or
 whose completions were returned); each joined request keeps the key `generate(prompts,
 sampling, seed)` would give it (`engine.keys`), so its sample is the one it would get alone.
+A request joined with `keep` leaves its pages in a prompt slot when it is returned (its keep
+slot), for a later request to continue from; a GRPO group of equal prompts still prefills its
+prompt once, and each member's keep slot shares the prompt's full pages
+(`block_tables.keep_rows`).
 """
 
 from __future__ import annotations
@@ -68,12 +72,11 @@ class _Group:
     replica: int
     slots: tuple[int, ...]
     request_ids: tuple[int, ...]
-    keep: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
 class _Kept:
-    """A returned request's pages kept in its prompt slot: its prompt and completion, all but
+    """A returned request's pages kept in its keep slot: its prompt and completion, all but
     the last token's keys/values resident (unless evicted under page pressure)."""
 
     replica: int
@@ -117,6 +120,7 @@ class DecodeSession:
                     prompt_lens=np.zeros((u,), np.int32),
                     request_prompts=np.full((n,), -1, np.int32),
                     request_keys=np.zeros((n, 2), np.uint32),
+                    request_kept=np.full((n,), -1, np.int32),
                     **self.engine._sampling_inputs(self.sampling))
         inputs = self._put(mesh_index, host)
         state = self._programs.start(mesh_index, self.engine._take_pool(mesh_index, self), inputs)
@@ -132,16 +136,19 @@ class DecodeSession:
     # ----- joining -----
 
     def join(self, prompt_token_ids: Sequence[Sequence[int]], seed: int,
-             group_size: int = 1, keep: bool = False,
+             group_size: int | Sequence[int] = 1, keep: bool = False,
              continue_from: Sequence[int | None] | None = None) -> list[int]:
         """Add requests, in groups of `group_size` consecutive ones (a GRPO group: returned
-        together), sampled as `generate(prompt_token_ids, sampling, seed)` samples them.
-        With `keep`, each request has a prompt slot of its own, and its pages (prompt and
-        completion) stay there when it is returned, until a request continues it or
-        `release`. `continue_from[i]` (a kept request's id, or None) starts request i from
-        that request's pages: its prompt must extend the kept prompt and completion, and only
-        the new tokens are prefilled (all of them if the pages were evicted meanwhile).
-        Returns their request ids (`step`'s keys). A join that does not fit changes nothing."""
+        together; a sequence: each group's size, in order), sampled as
+        `generate(prompt_token_ids, sampling, seed)` samples them. Equal prompts of a group
+        share one prompt slot (with prefix caching), so it is prefilled once. With `keep`,
+        each request's pages (prompt and completion) stay in a prompt slot of its own when it
+        is returned, until a request continues it or `release`; a group's kept requests share
+        their prompt's full pages. `continue_from[i]` (a kept request's id, or None) starts
+        request i, in a group of its own, from that request's pages: its prompt must extend
+        the kept prompt and completion, and only the new tokens are prefilled (all of them if
+        the pages were evicted meanwhile). Returns their request ids (`step`'s keys). A join
+        that does not fit changes nothing."""
         self._check_open()
         if (keep or continue_from) and self.shape.routing is not None:
             raise NotImplementedError(
@@ -149,24 +156,25 @@ class DecodeSession:
                 "lack its kept tokens' experts; join without keep/continue_from")
         prompts = [np.asarray(p, dtype=np.int32).reshape(-1) for p in prompt_token_ids]
         self.engine._validate(prompts, self.sampling)
-        self._check_join(prompts, group_size)
-        pinned = self._continuations(prompts, continue_from, group_size)
+        groups = self._check_join(prompts, group_size)
+        pinned = self._continuations(prompts, continue_from, groups)
         keys = np.concatenate(generate_keys(seed, len(prompts), self.engine.num_replicas))
-        groups = [range(i, i + group_size) for i in range(0, len(prompts), group_size)]
         placed = self._place([[prompts[i] for i in g] for g in groups],
                              [pinned[g[0]] for g in groups], keep)
         for kept_id in (c for c in continue_from or () if c is not None):
             del self._kept[kept_id]
         joined = {r: np.zeros((self.shape.num_requests,), bool) for r in set(placed[0])}
         ids = []
-        for group, replica, (slots, prompt_slots) in zip(groups, *placed, strict=True):
+        for group, replica, (slots, prompt_slots, keep_slots) in zip(groups, *placed,
+                                                                     strict=True):
             rep, first = self._replicas[replica], self._next_id
-            for i, slot, prompt_slot in zip(group, slots, prompt_slots, strict=True):
-                self._seat(rep, slot, prompt_slot, prompts[i], keys[i], first + i - group[0],
-                           pinned[i] is not None)
+            for i, slot, prompt_slot, keep_slot in zip(group, slots, prompt_slots, keep_slots,
+                                                       strict=True):
+                self._seat(rep, slot, (prompt_slot, keep_slot), prompts[i], keys[i],
+                           first + i - group[0], pinned[i] is not None)
             joined[replica][slots] = True
             self._groups.append(_Group(replica, tuple(slots), tuple(
-                range(first, first + len(group))), keep))
+                range(first, first + len(group)))))
             ids += range(first, first + len(group))
             self._next_id += len(group)
         for replica, mask in joined.items():
@@ -178,7 +186,7 @@ class DecodeSession:
         return ids
 
     def _continuations(self, prompts: list[np.ndarray], continue_from: Any,
-                       group_size: int) -> list[tuple[int, int] | None]:
+                       groups: list[range]) -> list[tuple[int, int] | None]:
         """Each request's (replica, prompt slot) to continue on, or None; errors name a
         request that was not kept or a prompt that does not extend its conversation."""
         if continue_from is None:
@@ -186,9 +194,9 @@ class DecodeSession:
         if len(continue_from) != len(prompts):
             raise ValueError(f"continue_from has {len(continue_from)} entries for "
                              f"{len(prompts)} prompts: give one (a request id or None) a prompt")
-        if group_size != 1 and any(c is not None for c in continue_from):
-            raise ValueError("continue_from needs group_size=1: a kept conversation is one "
-                             "request's")
+        if any(len(g) > 1 and any(continue_from[i] is not None for i in g) for g in groups):
+            raise ValueError("continue_from needs group_size=1 for a continuing request (a "
+                             "kept conversation is one request's): give it a group of its own")
         pinned: list[tuple[int, int] | None] = []
         for prompt, kept_id in zip(prompts, continue_from, strict=True):
             kept = None if kept_id is None else self._kept.get(kept_id)
@@ -206,8 +214,13 @@ class DecodeSession:
             raise ValueError("continue_from names a kept request twice")
         return pinned
 
-    def _check_join(self, prompts: list[np.ndarray], group_size: int) -> None:
-        if group_size < 1 or len(prompts) % group_size:
+    def _check_join(self, prompts: list[np.ndarray], group_size: int | Sequence[int]
+                    ) -> list[range]:
+        """The join's groups of request indices; errors name a bad `group_size` or a prompt
+        over the session's length."""
+        sizes = ([group_size] * (len(prompts) // max(group_size, 1))
+                 if isinstance(group_size, int) else list(group_size))
+        if min(sizes, default=0) < 1 or sum(sizes) != len(prompts):
             raise ValueError(f"{len(prompts)} prompts do not split into groups of "
                              f"group_size={group_size}")
         longest = max(len(p) for p in prompts)
@@ -215,18 +228,21 @@ class DecodeSession:
             raise ValueError(f"a prompt of {longest} tokens does not fit the session's "
                              f"max_prompt_length={self.shape.prompt_len}: open the session "
                              "with a larger max_prompt_length")
+        starts = np.cumsum([0, *sizes[:-1]])
+        return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
 
     def _place(self, groups: list[list[np.ndarray]], pinned: list[tuple[int, int] | None],
                keep: bool) -> tuple[list[int], list[tuple]]:
         """Each group's replica (the one with the most free request slots that holds it, or
-        the one its kept conversation is on) and its request and prompt slots, or an error
-        naming the capacity key it overflows."""
+        the one its kept conversation is on) and its request, prompt and keep slots (None:
+        not kept), or an error naming the capacity key it overflows."""
         free_requests = [list(np.flatnonzero(r.slot_request < 0)) for r in self._replicas]
         free_prompts = [list(np.flatnonzero(r.prompt_users == 0)) for r in self._replicas]
         replicas, slots = [], []
         for group, pin in zip(groups, pinned, strict=True):
-            prompt_of = [0] if pin else self._prompt_slots(group, keep)
-            need = 0 if pin else max(prompt_of) + 1
+            prompt_of, keep_of = (([0], [0 if keep else None]) if pin
+                                  else self._prompt_slots(group, keep))
+            need = 0 if pin else max(prompt_of + [k or 0 for k in keep_of]) + 1
             fits = [r for r in range(len(self._replicas)) if len(free_requests[r]) >= len(group)
                     and len(free_prompts[r]) >= need and (pin is None or pin[0] == r)]
             if not fits:
@@ -236,13 +252,26 @@ class DecodeSession:
             del free_prompts[r][:need]
             replicas.append(r)
             slots.append(([free_requests[r].pop(0) for _ in group],
-                          [taken[k] for k in prompt_of]))
+                          [taken[k] for k in prompt_of],
+                          [None if k is None else taken[k] for k in keep_of]))
         return replicas, slots
 
-    def _prompt_slots(self, group: list[np.ndarray], keep: bool) -> list[int]:
+    def _prompt_slots(self, group: list[np.ndarray], keep: bool
+                      ) -> tuple[list[int], list[int | None]]:
+        """Each request's prompt slot and keep slot (None: not kept) among the group's new
+        ones. A kept request alone on its prompt slot keeps its pages there; one sharing it
+        keeps them in a slot of its own, which will list the shared prompt's full pages."""
+        read = self._shared_slots(group)
+        if not keep:
+            return read, [None] * len(group)
+        users = np.bincount(read)
+        extra = iter(range(len(users), len(users) + len(group)))
+        return read, [slot if users[slot] == 1 else next(extra) for slot in read]
+
+    def _shared_slots(self, group: list[np.ndarray]) -> list[int]:
         """Each request's prompt slot among the group's: equal prompts share one (with prefix
-        caching, and not kept), at most the shape's `group_size` requests a slot."""
-        if keep or not self.engine.options.prefix_caching:
+        caching), at most the shape's `group_size` requests a slot."""
+        if not self.engine.options.prefix_caching:
             return list(range(len(group)))
         slot_of: dict[bytes, int] = {}
         count: dict[int, int] = {}
@@ -267,18 +296,28 @@ class DecodeSession:
                 f"{len(self._replicas)} replicas {per_replica}): step until groups come back, "
                 f"or open the session with a larger {key}")
 
-    def _seat(self, rep: _Replica, slot: int, prompt_slot: int, prompt: np.ndarray,
-              key: np.ndarray, request_id: int, continues: bool) -> None:
-        """A continuing request takes over its kept conversation's prompt slot (and use)."""
-        host = rep.host
+    def _seat(self, rep: _Replica, slot: int, prompt_slots: tuple[int, int | None],
+              prompt: np.ndarray, key: np.ndarray, request_id: int, continues: bool) -> None:
+        """The request on its (prompt slot, keep slot); a continuing request takes over its
+        kept conversation's slot (and use), which is both; a keep slot of its own holds no
+        prompt until a request continues it."""
+        host, (prompt_slot, keep_slot) = rep.host, prompt_slots
         if rep.prompt_users[prompt_slot] == 0 or continues:
-            host["prompts"][prompt_slot] = self.engine.options.pad_id
-            host["prompts"][prompt_slot, :len(prompt)] = prompt
-            host["prompt_lens"][prompt_slot] = len(prompt)
+            self._write_prompt(host, prompt_slot, prompt)
         rep.prompt_users[prompt_slot] += 0 if continues else 1
+        if keep_slot is not None and keep_slot != prompt_slot:
+            self._write_prompt(host, keep_slot, prompt[:0])
+            rep.prompt_users[keep_slot] += 1
         host["request_prompts"][slot] = prompt_slot
+        host["request_kept"][slot] = -1 if keep_slot is None else keep_slot
         host["request_keys"][slot] = key
         rep.slot_request[slot] = request_id
+
+    def _write_prompt(self, host: dict[str, np.ndarray], prompt_slot: int,
+                      prompt: np.ndarray) -> None:
+        host["prompts"][prompt_slot] = self.engine.options.pad_id
+        host["prompts"][prompt_slot, :len(prompt)] = prompt
+        host["prompt_lens"][prompt_slot] = len(prompt)
 
     # ----- stepping -----
 
@@ -395,7 +434,7 @@ class DecodeSession:
             for slot, request_id in zip(group.slots, group.request_ids, strict=True):
                 finished[request_id] = done = completion_of(out, slot, self.sampling,
                                                             self.engine.options.eos_ids)
-                self._finish(rep, slot, request_id, done, group.keep)
+                self._finish(rep, slot, request_id, done)
         self._groups = [g for g in self._groups if g not in whole]
         return finished
 
@@ -410,29 +449,40 @@ class DecodeSession:
                         for s in np.flatnonzero(rep.slot_request >= 0)})
         return out
 
-    def _finish(self, rep: _Replica, slot: int, request_id: int, done: Completion,
-                keep: bool) -> None:
-        """Free the request's slot, and its prompt slot unless its pages are kept (as the
-        loop kept them: `block_tables.keeping`)."""
+    def _finish(self, rep: _Replica, slot: int, request_id: int, done: Completion) -> None:
+        """Free the request's slot and its use of its prompt slot, and its keep slot unless
+        its pages are kept there (as the loop kept them: `block_tables.keeping`)."""
         prompt_slot = int(rep.host["request_prompts"][slot])
+        keep_slot = int(rep.host["request_kept"][slot])
         prompt = rep.host["prompts"][prompt_slot, :rep.host["prompt_lens"][prompt_slot]]
         rep.slot_request[slot] = -1
-        if keep and len(prompt) + len(done.tokens) - 1 < self.shape.prompt_len:
-            self._kept[request_id] = _Kept(rep.mesh_index, prompt_slot,
+        kept = keep_slot >= 0 and len(prompt) + len(done.tokens) - 1 < self.shape.prompt_len
+        if kept:
+            self._kept[request_id] = _Kept(rep.mesh_index, keep_slot,
                                            np.concatenate([prompt, done.tokens]))
-        else:
+        if not kept or keep_slot != prompt_slot:
             rep.prompt_users[prompt_slot] -= 1
+        if not kept and keep_slot not in (-1, prompt_slot):
+            rep.prompt_users[keep_slot] -= 1
 
-    def release(self, request_id: int) -> None:
-        """Free a returned request's kept pages (`join(keep=True)`) and its prompt slot."""
+    def release(self, request_ids: int | Sequence[int]) -> None:
+        """Free returned requests' kept pages (`join(keep=True)`) and keep slots: one program
+        a replica. An error naming a request with no kept pages frees nothing."""
         self._check_open()
-        kept = self._kept.pop(request_id, None)
-        if kept is None:
-            raise ValueError(f"request {request_id} has no kept pages to release")
-        rep = self._replicas[kept.replica]
-        released = np.arange(self.shape.num_prompts) == kept.prompt_slot
-        rep.state = self._programs.release(rep.mesh_index, rep.state, released)
-        rep.prompt_users[kept.prompt_slot] -= 1
+        ids = [request_ids] if isinstance(request_ids, int) else list(request_ids)
+        if len(set(ids)) < len(ids):
+            raise ValueError(f"release names a request twice: {ids}")
+        if bad := [i for i in ids if i not in self._kept]:
+            raise ValueError(f"request {bad[0]} has no kept pages to release")
+        released = {r.mesh_index: np.zeros((self.shape.num_prompts,), bool)
+                    for r in self._replicas}
+        for kept in map(self._kept.pop, ids):
+            released[kept.replica][kept.prompt_slot] = True
+            self._replicas[kept.replica].prompt_users[kept.prompt_slot] -= 1
+        for replica, mask in released.items():
+            if mask.any():
+                rep = self._replicas[replica]
+                rep.state = self._programs.release(rep.mesh_index, rep.state, mask)
 
     @property
     def kept(self) -> list[int]:
