@@ -1,5 +1,5 @@
 """The rollout-trainer mismatch (`mismatch_*`, docs/mismatch.md) of demo runs with bf16, int8
-and fp8 rollout weights: per run, each metric's median over steps [95% block bootstrap] and max
+and fp8 rollout weights, and bf16 weights over int8, fp8 and per-tensor fp8 KV pages: per run, each metric's median over steps [95% block bootstrap] and max
 (`bench.mismatch.mismatch_summary`). Writes mismatch.json beside this file and prints the
 markdown table.
 
@@ -15,7 +15,9 @@ from pathlib import Path
 from tunix_mcjax.bench.mismatch import mismatch_summary
 
 HERE = Path(__file__).parent
-RUNS = ("demo-jax-bf16-co-s0", "demo-jax-bf16-int8-co-s0", "demo-jax-bf16-fp8-co-s0")
+RUNS = ("demo-jax-bf16-co-s0", "demo-jax-bf16-int8-co-s0", "demo-jax-bf16-fp8-co-s0",
+        "demo-jax-bf16-kvint8-co-s0", "demo-jax-bf16-kvfp8-co-s0",
+        "demo-jax-bf16-kvfp8tensor-co-s0")
 
 
 def summary(runs: Path, name: str) -> dict:
