@@ -278,20 +278,15 @@ def paged_engine_items(cfg: Config, shape: PagedShape, m: ModelShape) -> dict[st
 
 
 def engine_cast_bytes(cfg: Config, m: ModelShape) -> int:
-    """The engine's weights in the compute dtype that a model call holds beside them. Weights
-    kept in another dtype (fp32 weights, bf16 compute): XLA casts all of them at once in each
-    call and holds the copies through it. Under `quantization`, the leaves kept whole are cast
-    so, and the projections are dequantized one layer at a time inside the layer scan (an
-    untied lm head after it, whole): one layer's and the head's, at most (on TPU XLA fuses the
-    dequantize into the matmul: none)."""
-    c = DTYPE_BYTES[cfg.dtype]
-    whole = engine_weight_dtype(cfg) != cfg.dtype
+    """The engine's weights in the compute dtype a model call holds: all, when kept in another
+    dtype; under `quantization` the leaves kept whole so, and the larger of one layer's
+    projections (dequantized in the layer scan) and an untied head's (TPU fuses: a bound)."""
+    c, whole = DTYPE_BYTES[cfg.dtype], engine_weight_dtype(cfg) != cfg.dtype
     if not cfg.quantization:
-        return m.param_count * c if whole else 0
+        return m.param_count * c * whole
     values, _ = quantize.quantized_sizes(m)
     layer = m.embed * (2 * m.q_width + 2 * m.kv_width + 3 * m.mlp)
-    head = values - m.layers * layer
-    return ((m.param_count - values) * whole + max(layer, head)) * c
+    return ((m.param_count - values) * whole + max(layer, values - m.layers * layer)) * c
 
 
 def generate_scratch(items: dict[str, int]) -> int:
