@@ -104,13 +104,19 @@ def test_groups_come_back_whole_and_as_soon_as_they_are_whole(engine):
     assert first < last  # an early group came back before the slowest one
 
 
-def test_a_joined_request_gets_the_sample_it_would_get_alone(engine):
-    joiner = [[77, 12, 5, 40, 33], [77, 12, 5, 40, 33], [61]]
+def samples_alone(engine, prompts, seed):
+    """`prompts` decoded on a session of their own, by request id."""
     with engine.session(SAMPLE, **CAPACITY) as session:
-        session.join(joiner, seed=9)
+        session.join(prompts, seed=seed)
         alone = {}
         while session.unfinished:
             alone.update(session.step())
+    return alone
+
+
+def test_a_joined_request_gets_the_sample_it_would_get_alone(engine):
+    joiner = [[77, 12, 5, 40, 33], [77, 12, 5, 40, 33], [61]]
+    alone = samples_alone(engine, joiner, seed=9)
     with engine.session(SAMPLE, **CAPACITY) as session:
         session.join(PROMPTS, seed=3, group_size=GROUP)
         got = session.step(5)
@@ -232,11 +238,7 @@ def test_a_request_joined_while_a_slice_runs_waits_for_its_own_done(engine):
     """A slice dispatched before a join reports the slot's previous request as done; the
     joined request must still come back only when its own decoding ends, with its sample."""
     joiner = [[77, 12, 5, 40, 33], [61]]
-    with engine.session(SAMPLE, **CAPACITY) as session:
-        session.join(joiner, seed=9)
-        alone = {}
-        while session.unfinished:
-            alone.update(session.step())
+    alone = samples_alone(engine, joiner, seed=9)
     with engine.session(SAMPLE, **CAPACITY) as session:
         got = {}
         session.join(PROMPTS[:GROUP], seed=3, group_size=GROUP)
