@@ -334,3 +334,19 @@ def test_da_verdict_needs_welch_and_the_paired_bootstrap_on_one_side():
     assert out["mcjax_da-t25"]["reward_within_band"]
     assert out["mcjax_da-t50"]["verdict"] == "none"
     assert not out["mcjax_da-t50"]["reward_within_band"]
+
+
+def test_da_arms_name_their_share_staleness_and_in_flight_and_set_those_keys():
+    from tunix_mcjax.bench import da_compare, step
+
+    grid = step.DaGrid(shares=(0.5, 0.125), staleness=(1, 4), in_flight=(False, True))
+    arms, ruled_out = step.mcjax_da_arms(4, 4, grid)
+    assert arms == ["mcjax_da-t50", "mcjax_da-t50-if", "mcjax_da-t50-k4", "mcjax_da-t50-k4-if"]
+    assert list(ruled_out) == ["mcjax_da-t12.5"]  # 0.5 of a trainer host at 4 hosts
+    assert [da_compare.parse_arm(a) for a in arms] == [
+        (0.5, 1, False), (0.5, 1, True), (0.5, 4, False), (0.5, 4, True)]
+    assert step.Run("mcjax_da-t50-k4-if", 4, 1).overrides() == {
+        "rl_runtime": "mcjax_da", "rl_trainer_hosts_fraction": 0.5, "off_policy_steps": 4,
+        "in_flight_weight_updates": True}
+    assert step.Run("mcjax_da-t25", 4, 1).overrides() == {
+        "rl_runtime": "mcjax_da", "rl_trainer_hosts_fraction": 0.25}

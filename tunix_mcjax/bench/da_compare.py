@@ -1,6 +1,7 @@
 """LoCoJAX-DA against LoCoJAX-CO: the paper's verdict rule (Appendix A) and reward band (§4.4).
 
-For each DA split at a host count, against the colocated reference arm `mcjax`:
+For each DA arm (a trainer share, a staleness bound k, in-flight updates on or off) at a
+host count, against the colocated reference arm `mcjax`:
 - Welch: the 95% t interval of the ratio on log launch values (each launch's median steady step);
 - paired-step bootstrap: launch i of one arm paired with launch i of the other, their common
   steady steps paired by step number (the same batch), step indices resampled jointly;
@@ -25,13 +26,23 @@ ROLLOUT_BRANCH = ("admit", "generate", "reward")
 TRAINER_BRANCH = ("pack", "train", "publish")
 
 
-def split_arm(fraction: float) -> str:
-    """The bench arm of one DA split: mcjax_da-t50, -t25, -t12.5 (trainer share in %)."""
-    return f"mcjax_da-t{fraction * 100:g}"
+def split_arm(fraction: float, staleness: int = 1, in_flight: bool = False) -> str:
+    """The bench arm of one DA split: mcjax_da-t50, -t25, -t12.5 (trainer share in %) at the
+    paper's staleness of 1; -t50-k2 at off_policy_steps=2; a trailing -if with
+    in_flight_weight_updates on."""
+    return (f"mcjax_da-t{fraction * 100:g}" + (f"-k{staleness}" if staleness != 1 else "")
+            + ("-if" if in_flight else ""))
+
+
+def parse_arm(arm: str) -> tuple[float, int, bool]:
+    """`split_arm`'s inverse: (trainer share, staleness k, in-flight updates)."""
+    share, *rest = arm.removeprefix("mcjax_da-t").split("-")
+    staleness = next((int(p[1:]) for p in rest if p.startswith("k")), 1)
+    return float(share) / 100, staleness, "if" in rest
 
 
 def split_fraction(arm: str) -> float:
-    return float(arm.removeprefix("mcjax_da-t")) / 100
+    return parse_arm(arm)[0]
 
 
 def _launch_medians(arm: ArmRun, first_scored: int) -> list[float]:
@@ -70,6 +81,8 @@ def compare_split(da: ArmRun, co: ArmRun, first_scored: int, seed: int = 0) -> d
     gap = reward["da"] - reward["co"]
     return {
         "trainer_fraction": split_fraction(da.arm),
+        "staleness": parse_arm(da.arm)[1],
+        "in_flight": parse_arm(da.arm)[2],
         "launches": {"da": len(da_medians), "co": len(co_medians)},
         "median_step_s": {"da": float(np.median(da_medians)), "co": float(np.median(co_medians))},
         "launch_median_step_s": {"da": da_medians, "co": co_medians},
@@ -107,14 +120,15 @@ def markdown(comparison: dict, profile: str) -> str:
              "launch medians; paired: bootstrap over the same steps of paired launches. A "
              "verdict needs both on the same side of 1. Reward: mean training reward over all "
              f"steps, band {REWARD_BAND}.", "",
-             "| hosts | trainer share | launches DA/CO | CO step s | DA step s | Welch | paired "
-             "| verdict | DA rollout / trainer branch s | CO rollout / trainer s | reward CO "
-             "| reward DA | within band |", "|---" * 13 + "|"]
+             "| hosts | trainer share | k | in-flight | launches DA/CO | CO step s | DA step s "
+             "| Welch | paired | verdict | DA rollout / trainer branch s "
+             "| CO rollout / trainer s | reward CO | reward DA | within band |", "|---" * 15 + "|"]
     for hosts, at in comparison.items():
         for c in at["splits"].values():
             b = c["branches_s"]
             lines.append(
-                f"| {hosts} | {c['trainer_fraction']:.3g} | {c['launches']['da']}/"
+                f"| {hosts} | {c['trainer_fraction']:.3g} | {c.get('staleness', 1)} | "
+                f"{'yes' if c.get('in_flight') else 'no'} | {c['launches']['da']}/"
                 f"{c['launches']['co']} | {c['median_step_s']['co']:.3f} | "
                 f"{c['median_step_s']['da']:.3f} | {_ci(c['welch'])} | "
                 f"{_ci(c['paired_step_bootstrap'])} | {c['verdict']} | "
@@ -123,6 +137,6 @@ def markdown(comparison: dict, profile: str) -> str:
                 f"{c['reward_mean']['da']:.4f} | {'yes' if c['reward_within_band'] else 'no'} "
                 f"({c['reward_gap']:+.4f}) |")
         for name, why in at["ruled_out"].items():
-            lines.append(f"| {hosts} | {split_fraction(name):.3g} | ruled out: {why} |"
+            lines.append(f"| {hosts} | {split_fraction(name):.3g} | | | ruled out: {why} |"
                          + " |" * 10)
     return "\n".join(lines) + "\n"

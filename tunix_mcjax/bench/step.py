@@ -13,7 +13,10 @@ Arms (same model, tokenizer, reward, hyperparameters, batches and devices):
   mcjax+opt  mcjax with O1-O4 on
   mcjax_da   the disaggregated mode (rl_runtime=mcjax_da) at each trainer share of the paper
              (50%, 25%, 12.5%: arms mcjax_da-t50, -t25, -t12.5) that the host count and batch
-             allow; compared with mcjax by the paper's rule (bench.da_compare, da_report.md)
+             allow; compared with mcjax by the paper's rule (bench.da_compare, da_report.md).
+             --da-shares picks shares; --da-staleness 1,2,4 runs each at off_policy_steps=k
+             (arms -t50-k2 ..., the paper's k=1 unsuffixed); --da-in-flight adds each with
+             in_flight_weight_updates=true (arms ...-if)
 --ablation runs mcjax, mcjax+O1 .. mcjax+O4 and mcjax+opt, and reports each against mcjax.
 --streaming runs mcjax (reward_num_workers=0: the batch scored after generation) and
 mcjax+streaming (one reward worker: each group scored as it finishes, while the rest decode)
@@ -99,8 +102,10 @@ class Run:
         if self.arm == "single":
             return {"rl_runtime": "single"}
         if self.arm.startswith("mcjax_da"):
-            return {"rl_runtime": "mcjax_da",
-                    "rl_trainer_hosts_fraction": da_compare.split_fraction(self.arm)}
+            share, staleness, in_flight = da_compare.parse_arm(self.arm)
+            return {"rl_runtime": "mcjax_da", "rl_trainer_hosts_fraction": share,
+                    **({"off_policy_steps": staleness} if staleness != 1 else {}),
+                    **({"in_flight_weight_updates": True} if in_flight else {})}
         if self.arm == "mcjax+opt":
             return ALL_OPT
         if self.arm == "mcjax+streaming":
@@ -127,19 +132,32 @@ class Run:
                 "--devices-per-host", str(per_host), str(recipe), *keys]
 
 
-def mcjax_da_arms(hosts: int, batch_size: int) -> tuple[list[str], dict[str, str]]:
-    """The mcjax_da arm: (the splits this host count and batch allow, {ruled-out split: why})."""
+@dataclasses.dataclass(frozen=True)
+class DaGrid:
+    """The mcjax_da arms to run: trainer shares (DA_SPLITS; empty: all), staleness bounds k
+    (off_policy_steps) and in-flight updates; every combination the host count allows."""
+
+    shares: tuple[float, ...] = ()
+    staleness: tuple[int, ...] = (1,)
+    in_flight: tuple[bool, ...] = (False,)
+
+
+def mcjax_da_arms(hosts: int, batch_size: int, grid: DaGrid = DaGrid()
+                  ) -> tuple[list[str], dict[str, str]]:
+    """The mcjax_da arm: (the arms this host count and batch allow, {ruled-out split: why})."""
     from tunix_mcjax.config import DA_SPLITS, ConfigError, load_config
 
     allowed, ruled_out = [], {}
-    for fraction in DA_SPLITS:
+    for fraction in grid.shares or DA_SPLITS:
         cfg = load_config(None, {"rl_runtime": "mcjax_da", "batch_size": batch_size,
                                  "rl_trainer_hosts_fraction": fraction})
         try:
             cfg.disaggregated_split(hosts)
-            allowed.append(da_compare.split_arm(fraction))
         except ConfigError as e:
             ruled_out[da_compare.split_arm(fraction)] = str(e).split(":")[0]
+            continue
+        allowed += [da_compare.split_arm(fraction, k, f)
+                    for k in grid.staleness for f in grid.in_flight]
     return allowed, ruled_out
 
 
@@ -151,13 +169,13 @@ def tunix_cli_command(recipe: Path, devices: int, layout: str, keys: list[str]) 
 
 
 def plan(arms: list[str], hosts: list[int], devices_per_host: int, tunix_layouts: list[str],
-         launches: int, batch_size: int = 0) -> list[Run]:
+         launches: int, batch_size: int = 0, da_grid: DaGrid = DaGrid()) -> list[Run]:
     """Launch after launch, each running every arm once (round robin spreads machine load)."""
     runs = []
     for launch in range(launches):
         for h in hosts:
             for arm in [a for name in arms for a in (
-                    mcjax_da_arms(h, batch_size)[0] if name == "mcjax_da" else [name])]:
+                    mcjax_da_arms(h, batch_size, da_grid)[0] if name == "mcjax_da" else [name])]:
                 layouts = [""] if arm not in LAYOUT_ARMS else (
                     tunix_layouts if h * devices_per_host > 1 else ["one-device"])
                 runs += [Run(arm, h, devices_per_host, layout, launch, launches)
@@ -313,9 +331,9 @@ def traced_runs(arms: list[str], hosts: list[int], devices_per_host: int,
 
 
 def write_da_report(arm_runs: list[report.ArmRun], first_scored: int, hosts: list[int],
-                    profile: profiles.Profile, out: Path) -> None:
+                    profile: profiles.Profile, out: Path, grid: DaGrid = DaGrid()) -> None:
     """The mcjax_da arm's comparison with mcjax: da_report.json and da_report.md."""
-    ruled_out = {str(h): mcjax_da_arms(h, profile.batch_size)[1] for h in hosts}
+    ruled_out = {str(h): mcjax_da_arms(h, profile.batch_size, grid)[1] for h in hosts}
     comparison = da_compare.compare(arm_runs, first_scored, ruled_out)
     (out / "da_report.json").write_text(json.dumps(comparison, indent=2) + "\n")
     text = da_compare.markdown(comparison, profile.name)
@@ -338,6 +356,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--streaming", action="store_true",
                    help=f"run {', '.join(STREAMING)} with a 50 ms/completion reward instead "
                         "of --arms")
+    p.add_argument("--da-shares", default="",
+                   help="mcjax_da trainer shares, comma-separated (default: the paper's "
+                        "0.5,0.25,0.125, those the host count allows)")
+    p.add_argument("--da-staleness", default="1",
+                   help="mcjax_da staleness bounds k (off_policy_steps), comma-separated: "
+                        "one arm per k (arm suffix -k<K>; the paper's DA is k=1)")
+    p.add_argument("--da-in-flight", action="store_true",
+                   help="each mcjax_da arm also with in_flight_weight_updates=true (suffix -if)")
     p.add_argument("--tunix-layouts", default="fsdp,one-device",
                    help="layouts of the tunix and tunix-cli arms to try: fsdp, one-device")
     p.add_argument("--out", required=True, type=Path, help="output directory (relative path)")
@@ -366,6 +392,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown or "mcjax" not in args.arms:
         p.error(f"--arms must include mcjax (the reference) and only {', '.join(ARMS)}")
     args.tunix_layouts = args.tunix_layouts.split(",")
+    try:
+        args.da_grid = DaGrid(tuple(float(x) for x in args.da_shares.split(",") if x),
+                              tuple(int(k) for k in args.da_staleness.split(",")),
+                              (False, True) if args.da_in_flight else (False,))
+    except ValueError as e:
+        p.error(f"--da-shares / --da-staleness: {e}")
+    if min(args.da_grid.staleness) < 1:
+        p.error("--da-staleness: each k must be >= 1 (off_policy_steps=0 is CO's on-policy)")
     return args
 
 
@@ -377,7 +411,7 @@ def main(argv: list[str] | None = None) -> None:
     steps = 2 * profiles.BATCHES
     recipe = out / "recipe.yml"
     runs = plan(args.arms, args.hosts, args.devices_per_host, args.tunix_layouts, args.launches,
-                profile.batch_size)
+                profile.batch_size, args.da_grid)
     if not args.report_only:
         recipe = profiles.write_workload(profile, out)
         started = time.perf_counter()
@@ -415,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {path}")
     print(report.markdown(rep))
     if "mcjax_da" in args.arms:
-        write_da_report(arm_runs, first_scored, args.hosts, profile, out)
+        write_da_report(arm_runs, first_scored, args.hosts, profile, out, args.da_grid)
     if not rep["equal_work"]["ok"]:
         sys.exit("equal work FAILED: the ratios above do not count (see report.md)")
 
