@@ -1,12 +1,12 @@
 """The quantized-rollout benches' pure parts against plain references (no launches, no engine):
-bench.quant (learning with int8 weights and fp8 KV against bf16) and bench.engine.quant
-(tokens/s per mode)."""
+bench.quant (learning with int8 weights and fp8 KV against bf16, on bench.learn_arms) and
+bench.engine.quant (tokens/s per mode)."""
 
 from __future__ import annotations
 
 import pytest
 
-from tunix_mcjax.bench import quant
+from tunix_mcjax.bench import learn_arms, quant
 from tunix_mcjax.bench.engine import quant as engine_quant
 from tunix_mcjax.bench.learn import SeedResult
 from tunix_mcjax.bench.mismatch import config_refusal
@@ -18,7 +18,7 @@ def _result(arm: str, seed: int, accuracy: list[float]) -> SeedResult:
 
 
 def test_plan_pairs_the_arms_seed_by_seed_and_their_keys_load():
-    cells = quant.plan(2, hosts=2, devices_per_host=2)
+    cells = learn_arms.plan(quant.BENCH, 2, hosts=2, devices_per_host=2)
     assert [c.name for c in cells] == [
         "demo-bf16-co-tistoken-s0", "demo-int8-fp8kv-co-tistoken-s0",
         "demo-bf16-co-tistoken-s1", "demo-int8-fp8kv-co-tistoken-s1"]
@@ -27,7 +27,7 @@ def test_plan_pairs_the_arms_seed_by_seed_and_their_keys_load():
     assert "sampler_is=token" in base.overrides() and "seed=0" in base.overrides()
     assert quantized.overrides() == [*base.overrides(), "quantization=int8",
                                      "quantize_kvcache=true", "kv_quant_dtype=fp8"]
-    assert quantized.arm == quant.QUANT and base.arm == quant.BASE
+    assert quantized.arm == quant.QUANT and base.arm == quant.BASE == quant.BENCH.base
     for cell in cells:  # the demo config takes every arm's keys
         assert config_refusal(cell, ["steps=150"]) == ""
 
@@ -38,8 +38,8 @@ def test_quant_summary_takes_the_ratio_quantized_over_bf16_and_counts_the_bar():
     sags = [0.0, 0.5, 1.0, 1.0, 1.0, 0.8]  # reaches 0.9 at step 4, ends at 0.9 (< bar 0.95)
     arms = {quant.BASE: [_result(quant.BASE, 0, ramp), _result(quant.BASE, 1, ramp)],
             quant.QUANT: [_result(quant.QUANT, 0, slow), _result(quant.QUANT, 1, sags)]}
-    rep = quant.quant_summary(arms, target=0.9, window=2, bar=0.95)
-    assert rep["pair"] == [quant.QUANT, quant.BASE]
+    rep = learn_arms.summary(arms, quant.BASE, target=0.9, window=2, bar=0.95)
+    assert rep["pairs"] == [[quant.QUANT, quant.BASE]]
     assert rep[f"ratio_{quant.QUANT}_over_{quant.BASE}"]["median"] == pytest.approx(10 / 8)
     q = rep["arms"][quant.QUANT]
     assert q["steps_to_target"] == [6, 4]
@@ -48,17 +48,17 @@ def test_quant_summary_takes_the_ratio_quantized_over_bf16_and_counts_the_bar():
     assert not rep["censored"]
     for block in rep["arms"].values():
         block["loadavg_1m"] = [[1.0, 2.0], [2.0, 3.0]]
-    context = {"demo": "recipes/cpu/demo.yml", "hosts": 2, "devices_per_host": 2,
-               "arms": {a: list(k) for a, k in quant.ARMS.items()}}
-    text = quant.markdown({"context": context, "cells": [], "learning": rep})
+    context = {"demo": "recipes/cpu/demo.yml", "steps": 6, "hosts": 2, "devices_per_host": 2,
+               "arms": {a: list(k) for a, k in quant.BENCH.arms.items()}}
+    text = learn_arms.markdown(quant.BENCH, {"context": context, "cells": [], "learning": rep})
     assert f"| {quant.QUANT} | 6, 4 | 5 [4, 6] | 2/2 |" in text
     assert f"{quant.QUANT} / {quant.BASE}, summed steps to target over paired seeds: 1.250" in text
     assert f"seeds met: {quant.BASE} 2/2; {quant.QUANT} 1/2." in text
 
 
 def test_bar_is_the_trailing_mean_of_the_last_window():
-    assert quant.bar_met(_result("a", 0, [0.0, 0.9, 1.0]), bar=0.95, window=2)
-    assert not quant.bar_met(_result("a", 0, [1.0, 1.0, 0.8]), bar=0.95, window=2)
+    assert learn_arms.bar_met(_result("a", 0, [0.0, 0.9, 1.0]), bar=0.95, window=2)
+    assert not learn_arms.bar_met(_result("a", 0, [1.0, 1.0, 0.8]), bar=0.95, window=2)
 
 
 def _records(walls: dict[str, list[float]], tokens: int = 64) -> dict[str, list[dict]]:

@@ -122,27 +122,29 @@ def arm_summary(results: Sequence[learn.SeedResult], target: float, window: int)
 
 
 def learning_summary(arms: dict[str, Sequence[learn.SeedResult]], target: float,
-                     window: int, pair: tuple[str, str] = ("token", "none")) -> dict:
-    """The two arms `pair` (numerator, denominator), their ratio of summed charged steps over
-    paired seeds (under `ratio_<numerator>_over_<denominator>`), and each arm's per-step band
-    of the window-mean accuracy."""
-    num, den = pair
-    if set(arms) != set(pair):
-        raise ValueError(f"need arms {' and '.join(map(repr, sorted(pair)))}, got "
+                     window: int, pairs: Sequence[tuple[str, str]] = (("token", "none"),)
+                     ) -> dict:
+    """Each arm's summary and per-step band of the window-mean accuracy, and for each
+    (numerator, denominator) of `pairs` their ratio of summed charged steps over paired seeds
+    (under `ratio_<numerator>_over_<denominator>`). Every arm must have the same seeds."""
+    needed = {a for pair in pairs for a in pair}
+    if not arms or needed - set(arms):
+        raise ValueError(f"need arms {' and '.join(map(repr, sorted(needed)))}, got "
                          f"{sorted(arms)}")
     seeds = {a: [r.seed for r in rs] for a, rs in arms.items()}
-    if seeds[num] != seeds[den]:
+    if len({tuple(s) for s in seeds.values()}) > 1:
         raise ValueError(f"arms must have the same seeds in order: {seeds}")
     rows = {a: arm_summary(rs, target, window) for a, rs in arms.items()}
-    ratio = stats.seed_bootstrap_ratio(rows[num]["charged"], rows[den]["charged"])
+    ratios = {f"ratio_{num}_over_{den}": stats.seed_bootstrap_ratio(
+        rows[num]["charged"], rows[den]["charged"]).as_dict() for num, den in pairs}
     bands = {}
     for a, rs in arms.items():
         steps = min(len(r.accuracy) for r in rs)
         med, low, high = seed_band([moving_mean(r.accuracy[:steps], window) for r in rs])
         bands[a] = {"first_step": window, "median": med.tolist(), "ci_low": low.tolist(),
                     "ci_high": high.tolist()}
-    return {"target": target, "window": window, "arms": rows, "curves": bands, "pair": [num, den],
-            f"ratio_{num}_over_{den}": ratio.as_dict(),
+    return {"target": target, "window": window, "arms": rows, "curves": bands,
+            "pairs": [list(pair) for pair in pairs], **ratios,
             "censored": any(r["reached"] < len(r["seeds"]) for r in rows.values())}
 
 
@@ -379,7 +381,6 @@ def learning_markdown(summary: dict, marks: Sequence[int] = (10, 25, 50, 75, 100
                       label: str = "sampler_is") -> list[str]:
     """A learning summary's tables; `label` heads the arm column."""
     t, w = summary["target"], summary["window"]
-    num, den = summary.get("pair", ("token", "none"))
     lines = [f"Steps to {t:g} accuracy ({w}-step trailing mean; `-`: not reached, charged at "
              "the budget): per seed, and the seed median [95% seed bootstrap].", "",
              f"| {label} | per seed | median [95%] | reached | final accuracy (median) "
@@ -390,10 +391,11 @@ def learning_markdown(summary: dict, marks: Sequence[int] = (10, 25, 50, 75, 100
         lines.append(f"| {arm} | {per_seed} | {_ci(a['steps_to_target_median'], '.0f')} "
                      f"| {a['reached']}/{len(a['seeds'])} | {a['final_accuracy_median']:.3f} "
                      f"| {a['final_reward_median']:.3f} | {loads} |")
-    ratio = summary[f"ratio_{num}_over_{den}"]
-    lines += ["", f"{num} / {den}, summed steps to target over paired seeds: "
-              f"{_ci(ratio, '.3f')}" + (" (censored)" if summary["censored"] else "") + ".",
-              "", f"Accuracy ({w}-step trailing mean), seed median [95% seed bootstrap] at step:",
+    censored = " (censored)" if summary["censored"] else ""
+    for num, den in summary["pairs"]:
+        lines += ["", f"{num} / {den}, summed steps to target over paired seeds: "
+                  f"{_ci(summary[f'ratio_{num}_over_{den}'], '.3f')}{censored}."]
+    lines += ["", f"Accuracy ({w}-step trailing mean), seed median [95% seed bootstrap] at step:",
               "", f"| {label} | " + " | ".join(str(s) for s in marks) + " |",
               "|---" * (len(marks) + 1) + "|"]
     for arm, band in summary["curves"].items():
