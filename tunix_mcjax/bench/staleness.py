@@ -1,0 +1,41 @@
+"""Staleness k under DA: does the demo still learn with 4 batches in flight?
+
+    python -m tunix_mcjax.bench.staleness --out bench_results/staleness/learn [--seeds 5]
+
+Arms, each on seeds 0..N-1 (a seed fixes the prompt order and sampling, so seeds pair the arms),
+the demo recipe (recipes/cpu/demo.yml) at its own step count, DA (rl_runtime=mcjax_da), the jax
+engine, bfloat16 rollout weights, sampler_is=token (the DA arms of docs/mismatch.md learned
+steadier with it), on the demo's 2 hosts x 2 devices: rl_trainer_hosts_fraction's default 0.5
+makes them 1 trainer host and 1 rollout host (DA needs a whole number of trainer hosts and a
+rollout host, so 2 hosts is its smallest split):
+  k1     off_policy_steps=1: the paper's DA, each batch one update stale
+  k4     off_policy_steps=4: four batches in flight, each four updates stale once they fill
+  k4+if  the same with in_flight_weight_updates=true: a rollout host loads the next version
+         in the middle of a batch, so a batch's later tokens are fresher
+Reported as bench.learn_arms reports an arm table: per arm, steps to --target (seed median
+[95% seed bootstrap]), seeds reached, final accuracy, the demo's bar met per seed, the
+staleness of the batches (and, in-flight, of the tokens) as the runs record it; the k4 / k1
+and k4+if / k1 ratios of summed steps over paired seeds. Outputs under --out:
+runs/<cell>/steps.jsonl and bench_meta.json, logs/, report.json, report.md.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from tunix_mcjax.bench import learn_arms
+
+BASE = "k1"
+BENCH = learn_arms.Bench(
+    "Learning at staleness k under DA", "mcjax_da",
+    {BASE: ("off_policy_steps=1",), "k4": ("off_policy_steps=4",),
+     "k4+if": ("off_policy_steps=4", "in_flight_weight_updates=true")},
+    Path("bench_results/staleness/learn"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    learn_arms.main(BENCH, __doc__, argv)
+
+
+if __name__ == "__main__":
+    main()
