@@ -128,7 +128,9 @@ def learning_summary(arms: dict[str, Sequence[learn.SeedResult]], target: float,
     (numerator, denominator) of `pairs` their ratio of summed charged steps over paired seeds
     (under `ratio_<numerator>_over_<denominator>`). Every arm must have the same seeds."""
     needed = {a for pair in pairs for a in pair}
-    if not arms or needed - set(arms):
+    if not arms:
+        raise ValueError("need at least one arm's runs")
+    if needed - set(arms):
         raise ValueError(f"need arms {' and '.join(map(repr, sorted(needed)))}, got "
                          f"{sorted(arms)}")
     seeds = {a: [r.seed for r in rs] for a, rs in arms.items()}

@@ -4,10 +4,10 @@
 
 Arms, each on seeds 0..N-1 (a seed fixes the prompt order and sampling, so seeds pair the arms),
 the demo recipe (recipes/cpu/demo.yml) at its own step count, DA (rl_runtime=mcjax_da), the jax
-engine, bfloat16 rollout weights, sampler_is=token (the DA arms of docs/mismatch.md learned
-steadier with it), on the demo's 2 hosts x 2 devices: rl_trainer_hosts_fraction's default 0.5
-makes them 1 trainer host and 1 rollout host (DA needs a whole number of trainer hosts and a
-rollout host, so 2 hosts is its smallest split):
+engine, bfloat16 rollout weights, sampler_is=token (DA learned steadier with it than without
+on docs/mismatch.md's 3 seeds), on the demo's 2 hosts x 2 devices: rl_trainer_hosts_fraction's
+default 0.5 makes them 1 trainer host and 1 rollout host (DA needs a whole number of trainer
+hosts and a rollout host, so 2 hosts is its smallest split):
   k1     off_policy_steps=1: the paper's DA, each batch one update stale
   k4     off_policy_steps=4: four batches in flight, each four updates stale once they fill
   k4+if  the same with in_flight_weight_updates=true: a rollout host loads the next version
