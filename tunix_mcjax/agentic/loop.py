@@ -198,9 +198,9 @@ def _open_decoder(engine: Engine, sampling: SamplingParams,
             max_requests=min(len(conversations), limits.max_concurrency),
             max_prompts=len(conversations) + sum(g > 1 for g in groups),
             group_size=min(max(groups), limits.max_concurrency))
-    except NotImplementedError:  # vllm, or a lockstep / wave-batched loop
+    except NotImplementedError:  # a lockstep / wave-batched loop
         return _Generate(engine)
-    if session.shape.routing is not None:  # routing replay needs every token's experts
+    if not session.keeps_pages:  # vllm, or routing replay (it needs every token's experts)
         session.close()
         return _Generate(engine)
     return _KeptPages(session)
