@@ -2,13 +2,13 @@
 in one round (the engine batches them continuously), then every environment steps at once,
 each on its own thread under a timeout.
 
-On an engine with sessions (jax, maxtext: `engine.session`) the rounds run on one session that
-keeps each conversation's pages between turns (`join(keep=True, continue_from=...)`): a turn
-prefills only the tokens added since the last (the tools', and the last sampled token), unless
-page pressure evicted the conversation, which is then prefilled in full; the samples are those
-of a full re-prefill. A group's equal first prompts join as one group, so the prompt is
-prefilled once and its full pages are shared by the group's kept conversations. Other engines
-(vllm) take a `generate` per round.
+On an engine whose session keeps pages (jax, maxtext: `engine.session`) the rounds run on one
+session that keeps each conversation's pages between turns (`join(keep=True,
+continue_from=...)`): a turn prefills only the tokens added since the last (the tools', and the
+last sampled token), unless page pressure evicted the conversation, which is then prefilled in
+full; the samples are those of a full re-prefill. A group's equal first prompts join as one
+group, so the prompt is prefilled once and its full pages are shared by the group's kept
+conversations. Other engines (vllm, whose session refuses `keep`) take a `generate` per round.
 
 A conversation waiting on its tool holds no decode slot: it is out of the engine until the
 round's tools have answered (or timed out). Rounds are deterministic in (seed, round), so a
