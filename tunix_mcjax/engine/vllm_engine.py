@@ -16,6 +16,7 @@
   platform: torch vLLM on CPU/GPU, one in-process worker (DP 1 x TP 1 per host); tpu-inference
   on TPU, DP x TP inside the one LLM over the device indexes passed in its sharding config, as
   Tunix's VllmSampler does. Weights arrive through `engine.vllm_publish`, the whole tree at once.
+- `session` steps `generate`'s requests on vLLM's LLMEngine in slices (`engine.vllm_session`).
 """
 
 from __future__ import annotations
