@@ -15,7 +15,6 @@ from tests.test_engine import PAD, VOCAB, params_of  # noqa: E402
 from tunix_mcjax import config, models  # noqa: E402
 from tunix_mcjax.engine.base import SamplingParams  # noqa: E402
 from tunix_mcjax.engine.jax_engine import JaxEngine  # noqa: E402
-from tunix_mcjax.engine.vllm_engine import VllmEngine  # noqa: E402
 
 EOS = 1
 MAX_NEW = 8
@@ -165,12 +164,6 @@ def test_lockstep_and_waves_are_refused_by_name():
                            max_prompt_length=8, max_new_tokens=MAX_NEW, **fields)
         with pytest.raises(NotImplementedError, match=f"JaxEngine with .*{reason}"):
             engine.session(SAMPLE, max_requests=4)
-
-
-def test_the_vllm_engine_refuses_by_name():
-    unbuilt = object.__new__(VllmEngine)  # the refusal needs no vLLM
-    with pytest.raises(NotImplementedError, match="VllmEngine does not decode in slices"):
-        unbuilt.session(SAMPLE, max_requests=4)
 
 
 @pytest.mark.slow

@@ -131,7 +131,7 @@ def test_in_flight_keys_are_refused_outside_da_without_a_session_and_at_k0(tmp_p
     with pytest.raises(ConfigError, match="in_flight_weight_updates.*configure "
                                           "rl_runtime=mcjax_da"):
         load_config(demo, [*base, "in_flight_weight_updates=true"])
-    with pytest.raises(ConfigError, match="rollout_engine=vllm has none"):
+    with pytest.raises(ConfigError, match="rollout_engine=vllm cannot here"):
         load_config(demo, [*base, *IN_FLIGHT, "rollout_engine=vllm",
                                  "rl_publish_weights_single_call=true"])
     with pytest.raises(ConfigError, match="set off_policy_steps >= 1"):

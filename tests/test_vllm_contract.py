@@ -68,7 +68,7 @@ def generate_calls(calls):
 
 
 def test_token_prompts_grouped_into_n_and_exact_sampling_params(cpu):
-    greedy, sampled, _ = generate_calls(cpu["calls"])
+    greedy, sampled, _, _ = generate_calls(cpu["calls"])
     assert [(p, sp["n"]) for p, sp in greedy] == [([5, 6, 7], 3), ([8, 9, 10, 11], 1), ([3], 2)]
     eos, stop = RECORDED["eos_id"], RECORDED["stop_id"]
     for r, (_, sp) in enumerate(greedy):
@@ -83,7 +83,7 @@ def test_token_prompts_grouped_into_n_and_exact_sampling_params(cpu):
 
 def test_outputs_follow_requests_and_n_expansion_with_one_logprob_per_token(cpu):
     recorded = iter(RECORDED["generate"])
-    for name, requests in zip(("greedy", "sampled", "greedy_after_publish"),
+    for name, requests in zip(("greedy", "sampled", "greedy_after_abort", "greedy_after_publish"),
                               generate_calls(cpu["calls"]), strict=True):
         expected = []
         for request in requests:
@@ -104,7 +104,7 @@ def test_outputs_follow_requests_and_n_expansion_with_one_logprob_per_token(cpu)
 def test_finish_reasons_map(cpu):
     eos, stop = RECORDED["eos_id"], RECORDED["stop_id"]
     reasons = {"eos": 0, "stop": 0, "length": 0}
-    for name in ("greedy", "sampled", "greedy_after_publish"):
+    for name in ("greedy", "sampled", "greedy_after_abort", "greedy_after_publish"):
         for c in cpu["results"][name]:
             reasons[c["finish_reason"]] += 1
             if c["finish_reason"] == "eos":
@@ -122,9 +122,13 @@ def test_publish_call_order_and_whole_tree(cpu):
                ["collective_rpc", "_refresh_cpu_head"], ["reset_prefix_cache"]]
     calls = [[c[0], c[1], sorted(c[2])] if c[1:2] == ["reload_weights"] else c
              for c in cpu["calls"]]
+    sessions = [i for i, c in enumerate(calls) if c[0] in ("add_request", "step", "abort_request")]
+    first, last = sessions[0], sessions[-1]
+    assert calls[first:last + 1] == [c for s in sessions_of(calls) for c in s]
     assert calls == [["LLM"], ["collective_rpc", "_param_names"], *publish,
-                     ["generate", calls[5][1]], ["generate", calls[6][1]], *publish,
-                     ["generate", calls[10][1]]]
+                     ["generate", calls[5][1]], ["generate", calls[6][1]],
+                     *calls[first:last + 1], ["generate", calls[last + 1][1]], *publish,
+                     ["generate", calls[-1][1]]]
     # The partial tree moved nothing (no call after the last generate) and said why.
     assert "1 leaves missing ['layers/1/attn/k_norm/w']" in cpu["results"]["partial_publish_error"]
 
@@ -208,3 +212,79 @@ def test_hf_layouts_equal_the_checkpoint_exporter_and_untied_head_maps():
             np.testing.assert_array_equal(mapped[name], value)
     with pytest.raises(ValueError, match="1 unknown"):
         hf_qwen3.check_complete([*flat, ("layers", "0", "extra")], mc)
+
+
+def sessions_of(calls):
+    """The engine calls of each session of the scenario, in order: a session's are those from
+    its first add_request (request ids `tunix-session-<k>-<r>`) to the next session's."""
+    sessions: dict[str, list] = {}
+    for call in calls:
+        if call[0] == "add_request":
+            current = sessions.setdefault(call[1].rsplit("-", 1)[0], [])
+        if call[0] in ("add_request", "step", "abort_request"):
+            current.append(call)
+    return list(sessions.values())
+
+
+def test_a_session_adds_generates_requests_with_final_outputs(cpu):
+    first, second, third = sessions_of(cpu["calls"])
+    gens = generate_calls(cpu["calls"])
+    adds = [c for s in (first, second, third) for c in s if c[0] == "add_request"]
+    assert all(kind == "FINAL_ONLY" for *_, kind in adds)  # as LLM.generate sends them
+    assert len({c[1] for c in adds}) == len(adds)  # request ids unique over the sessions
+    added = [[[p, sp] for _, _, p, sp, _ in (c for c in s if c[0] == "add_request")]
+             for s in (first, second, third)]
+    assert added[0] == gens[1]  # the sampled join: the same generate's requests exactly
+    assert added[2] == gens[0] == gens[2]  # the greedy join: generate's
+    # Joined in two parts, each part seeds its runs from 0 (request_seed(0, r)).
+    eos = RECORDED["eos_id"]
+    assert [(p, sp["n"], sp["seed"]) for p, sp in added[1]] == [
+        ([5, 6, 7], 3, request_seed(0, 0)), ([8, 9, 10, 11], 1, request_seed(0, 0)),
+        ([3], 2, request_seed(0, 1))]
+    assert all(sp["stop_token_ids"] == [eos] for _, sp in added[1])
+
+
+def test_a_sessions_samples_are_generates(cpu):
+    results = cpu["results"]
+    for name in ("session_sampled", "session_greedy_joined"):
+        assert results[name] == RECORDED["results"][name]  # as the real engine returned them
+    # Real vLLM gave the session generate's samples (the recording), mapped back in order.
+    assert results["session_sampled"] == results["sampled"]
+    assert results["greedy_after_abort"] == results["greedy"]  # the abort left nothing behind
+    for got, want in zip(results["session_greedy_joined"], results["greedy"], strict=True):
+        assert got["tokens"] == want["tokens"] and got["finish_reason"] == want["finish_reason"]
+        assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)  # another batch
+
+
+def test_session_groups_come_back_whole_within_the_bound(cpu):
+    first, second, _ = sessions_of(cpu["calls"])
+    for calls, key, slice_steps, groups in (
+            (first, "session_sampled_steps", 2, [[0, 1, 2], [3], [4, 5]]),
+            (second, "session_greedy_steps", 1, [[0, 1, 2], [3], [4], [5]])):
+        steps = cpu["results"][key]
+        assert len(steps) == -(-sum(c == ["step"] for c in calls) // slice_steps)
+        assert sorted(i for s in steps for i in s) == list(range(6))
+        for returned in steps:
+            assert all(set(g) <= set(returned) or not set(g) & set(returned) for g in groups)
+    # The greedy group that meets EOS at its third token comes back while the rest decode.
+    greedy = cpu["results"]["session_greedy_steps"]
+    assert greedy.index([0, 1, 2]) < greedy.index([3, 4, 5]) == len(greedy) - 1
+    assert [len(c["tokens"]) for c in cpu["results"]["session_greedy_joined"]] == [3] * 3 + [6] * 3
+
+
+def test_a_closed_session_aborts_what_is_left_and_refuses_by_name(cpu):
+    first, second, third = sessions_of(cpu["calls"])
+    assert not any(c[0] == "abort_request" for c in first + second)  # nothing was left
+    in_flight = [c[1] for c in third if c[0] == "add_request"]
+    assert third[-1] == ["abort_request", in_flight, False] and third[-2] == ["step"]
+    refused = cpu["results"]["refusals"]
+    assert refused["generate"].startswith("RuntimeError: the engine's vLLM is held by an open "
+                                          "VllmSession: close() it before generate()")
+    assert "before another session" in refused["session"]
+    assert refused["load_weights"].startswith("RuntimeError: load_weights() while an open "
+                                              "VllmSession has requests in vLLM")
+    assert refused["keep"].startswith("NotImplementedError: VllmSession does not keep pages")
+    assert refused["lengths"].startswith("NotImplementedError: VllmSession.lengths()")
+    assert refused["max_requests"] == (
+        "ValueError: the join does not fit the session: 4 requests with 3 of max_requests=6 "
+        "free: step until groups come back, or open the session with a larger max_requests")

@@ -156,3 +156,43 @@ def test_partial_publish_is_an_error(engine, model):
     del params["layers"][0]["mlp"]["up_proj"]
     with pytest.raises(ValueError, match="whole Qwen3 param tree"):
         engine.load_weights(params)
+
+
+def test_a_session_gives_generates_samples_for_the_same_seeds(engine):
+    """Joined whole and stepped in slices of 1, 3 and to the end, or by a time budget that one
+    engine step spends, a session samples what `generate` samples (same requests, same seeds);
+    a join into the running batch keeps each request's sample, and close() aborts what is
+    left so `generate` runs after it."""
+    sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_k=20)
+    want = engine.generate(PROMPTS, sampling, seed=5)
+    groups = [2, 1, 3, 1]  # the runs of equal prompts
+    slices = {}
+    for bound in ((1, None), (3, None), (None, None), (None, 1e-9)):
+        with engine.session(sampling, max_requests=len(PROMPTS)) as session:
+            ids = session.join(PROMPTS, seed=5, group_size=groups)
+            got, slices[bound] = {}, 0
+            while session.unfinished:
+                got.update(session.step(*bound))
+                slices[bound] += 1
+        for i, completion in enumerate(want):
+            assert got[ids[i]].tokens.tolist() == completion.tokens.tolist(), (bound, i)
+            np.testing.assert_array_equal(got[ids[i]].logprobs, completion.logprobs)
+            assert got[ids[i]].finish_reason == completion.finish_reason
+    assert slices[1, None] == slices[None, 1e-9] == MAX_NEW  # a step a token, prefill with it
+    assert slices[3, None] == -(-MAX_NEW // 3) and slices[None, None] == 1
+    late = engine.generate(PROMPTS[3:], sampling, seed=9)
+    with engine.session(sampling, max_requests=len(PROMPTS)) as session:
+        session.join(PROMPTS[:3], seed=5, group_size=[2, 1])
+        got = session.step(2)
+        ids = session.join(PROMPTS[3:], seed=9, group_size=[3, 1])  # into the running batch
+        while session.unfinished:
+            got.update(session.step(2))
+    for request_id, completion in zip(ids, late, strict=True):
+        assert got[request_id].tokens.tolist() == completion.tokens.tolist()
+        np.testing.assert_allclose(got[request_id].logprobs, completion.logprobs, atol=1e-5)
+    with engine.session(sampling, max_requests=len(PROMPTS)) as session:
+        session.join(PROMPTS, seed=5)
+        session.step(1)
+    assert not engine.llm.llm_engine.has_unfinished_requests()  # aborted on close
+    again = engine.generate(PROMPTS, sampling, seed=5)
+    assert [c.tokens.tolist() for c in again] == [c.tokens.tolist() for c in want]

@@ -2,13 +2,13 @@
 in one round (the engine batches them continuously), then every environment steps at once,
 each on its own thread under a timeout.
 
-On an engine with sessions (jax, maxtext: `engine.session`) the rounds run on one session that
-keeps each conversation's pages between turns (`join(keep=True, continue_from=...)`): a turn
-prefills only the tokens added since the last (the tools', and the last sampled token), unless
-page pressure evicted the conversation, which is then prefilled in full; the samples are those
-of a full re-prefill. A group's equal first prompts join as one group, so the prompt is
-prefilled once and its full pages are shared by the group's kept conversations. Other engines
-(vllm) take a `generate` per round.
+On an engine whose session keeps pages (jax, maxtext: `engine.session`) the rounds run on one
+session that keeps each conversation's pages between turns (`join(keep=True,
+continue_from=...)`): a turn prefills only the tokens added since the last (the tools', and the
+last sampled token), unless page pressure evicted the conversation, which is then prefilled in
+full; the samples are those of a full re-prefill. A group's equal first prompts join as one
+group, so the prompt is prefilled once and its full pages are shared by the group's kept
+conversations. Other engines (vllm, whose session refuses `keep`) take a `generate` per round.
 
 A conversation waiting on its tool holds no decode slot: it is out of the engine until the
 round's tools have answered (or timed out). Rounds are deterministic in (seed, round), so a
@@ -198,9 +198,9 @@ def _open_decoder(engine: Engine, sampling: SamplingParams,
             max_requests=min(len(conversations), limits.max_concurrency),
             max_prompts=len(conversations) + sum(g > 1 for g in groups),
             group_size=min(max(groups), limits.max_concurrency))
-    except NotImplementedError:  # vllm, or a lockstep / wave-batched loop
+    except NotImplementedError:  # a lockstep / wave-batched loop
         return _Generate(engine)
-    if session.shape.routing is not None:  # routing replay needs every token's experts
+    if not session.keeps_pages:  # vllm, or routing replay (it needs every token's experts)
         session.close()
         return _Generate(engine)
     return _KeptPages(session)

@@ -110,7 +110,7 @@ def _disaggregated(cfg: Keys) -> None:
 
 
 def _in_flight(cfg: Keys) -> None:
-    """in_flight_weight_updates: a decode session (the jax engine's), a next version to take."""
+    """in_flight_weight_updates: the jax engine's decode session, a next version to take."""
     if not cfg.in_flight_weight_updates:
         if changed(cfg, ("in_flight_update_iterations",)):
             raise ConfigError("in_flight_update_iterations sets when in-flight weight updates "
@@ -118,9 +118,12 @@ def _in_flight(cfg: Keys) -> None:
                               "drop it")
         return
     if cfg.rollout_engine != "jax":
-        raise ConfigError(f"in_flight_weight_updates=true decodes each batch on a decode "
-                          f"session in slices; rollout_engine={cfg.rollout_engine} has none "
-                          "here: use rollout_engine=jax or drop in_flight_weight_updates")
+        why = (" (its session counts no tokens so far and refuses a publish with requests "
+               "in vLLM)" if cfg.rollout_engine == "vllm" else "")
+        raise ConfigError(f"in_flight_weight_updates=true decodes each batch on the jax "
+                          f"engine's decode session in slices, loading the next version "
+                          f"between them; rollout_engine={cfg.rollout_engine} cannot here{why}: "
+                          "use rollout_engine=jax or drop in_flight_weight_updates")
     if cfg.off_policy_steps == 0:
         raise ConfigError("in_flight_weight_updates=true loads the version the trainers are "
                           "making while a batch decodes; at off_policy_steps=0 that update "

@@ -150,7 +150,7 @@ class DecodeSession:
         the pages were evicted meanwhile). Returns their request ids (`step`'s keys). A join
         that does not fit changes nothing."""
         self._check_open()
-        if (keep or continue_from) and self.shape.routing is not None:
+        if (keep or continue_from) and not self.keeps_pages:
             raise NotImplementedError(
                 "kept pages with recorded expert routing: a continued prompt's routing would "
                 "lack its kept tokens' experts; join without keep/continue_from")
@@ -218,18 +218,13 @@ class DecodeSession:
                     ) -> list[range]:
         """The join's groups of request indices; errors name a bad `group_size` or a prompt
         over the session's length."""
-        sizes = ([group_size] * (len(prompts) // max(group_size, 1))
-                 if isinstance(group_size, int) else list(group_size))
-        if min(sizes, default=0) < 1 or sum(sizes) != len(prompts):
-            raise ValueError(f"{len(prompts)} prompts do not split into groups of "
-                             f"group_size={group_size}")
+        groups = split_groups(len(prompts), group_size)
         longest = max(len(p) for p in prompts)
         if longest > self.shape.prompt_len:
             raise ValueError(f"a prompt of {longest} tokens does not fit the session's "
                              f"max_prompt_length={self.shape.prompt_len}: open the session "
                              "with a larger max_prompt_length")
-        starts = np.cumsum([0, *sizes[:-1]])
-        return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+        return groups
 
     def _place(self, groups: list[list[np.ndarray]], pinned: list[tuple[int, int] | None],
                keep: bool) -> tuple[list[int], list[tuple]]:
@@ -485,6 +480,12 @@ class DecodeSession:
                 rep.state = self._programs.release(rep.mesh_index, rep.state, mask)
 
     @property
+    def keeps_pages(self) -> bool:
+        """Whether `join(keep=True, continue_from=...)` is honoured: not with recorded expert
+        routing (`join`)."""
+        return self.shape.routing is None
+
+    @property
     def kept(self) -> list[int]:
         """The returned requests whose pages are kept, by request id."""
         return sorted(self._kept)
@@ -526,6 +527,17 @@ def refuse_engine(engine: Any) -> None:
             f"{name} with continuous_batching=False decodes a share in waves of separate "
             "programs; a session is one running loop whose rows refill: turn "
             "rollout_continuous_batching on")
+
+
+def split_groups(count: int, group_size: int | Sequence[int]) -> list[range]:
+    """A join's groups of request indices: `count` requests in groups of `group_size` (a
+    sequence: each group's size, in order); an error names a `group_size` that does not fit."""
+    sizes = ([group_size] * (count // max(group_size, 1))
+             if isinstance(group_size, int) else list(group_size))
+    if min(sizes, default=0) < 1 or sum(sizes) != count:
+        raise ValueError(f"{count} prompts do not split into groups of group_size={group_size}")
+    starts = np.cumsum([0, *sizes[:-1]])
+    return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
 
 
 def session_shape(engine: Any, sampling: SamplingParams, max_requests: int, max_prompts: int,

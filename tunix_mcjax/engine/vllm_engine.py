@@ -16,6 +16,7 @@
   platform: torch vLLM on CPU/GPU, one in-process worker (DP 1 x TP 1 per host); tpu-inference
   on TPU, DP x TP inside the one LLM over the device indexes passed in its sharding config, as
   Tunix's VllmSampler does. Weights arrive through `engine.vllm_publish`, the whole tree at once.
+- `session` steps `generate`'s requests on vLLM's LLMEngine in slices (`engine.vllm_session`).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from tunix_mcjax.engine import hf_qwen3, vllm_publish
 from tunix_mcjax.engine.base import Completion, Engine, FinishReason, SamplingParams
 from tunix_mcjax.engine.stops import stop_reason
 from tunix_mcjax.engine.trees import flatten_tree
+from tunix_mcjax.engine.vllm_session import VllmSession
 from tunix_mcjax.train import layer_runs
 
 # Set before vLLM is first imported: one process, no engine-core subprocess.
@@ -152,6 +154,7 @@ class VllmEngine(Engine):
             if self.platform == "tpu"
             else vllm_publish.TorchPublisher(self.llm, model_config, self.platform))
         self.loaded = False
+        self._session: VllmSession | None = None
 
     @property
     def compile_count(self) -> int:
@@ -200,6 +203,11 @@ class VllmEngine(Engine):
     def load_weights(self, params: Any) -> None:
         """Publishes the WHOLE tree in one call; a partial tree is an error. A trainer's stacked
         layers (`layer_runs`) are unstacked: vLLM takes per-layer names."""
+        if self._session is not None and self._session.in_vllm:
+            raise RuntimeError(
+                "load_weights() while an open VllmSession has requests in vLLM: a publish "
+                "resets vLLM's prefix cache, which vLLM refuses with requests running; step the "
+                "session until they return (or close it) first")
         params = layer_runs.unstack(params)
         flat = flatten_tree(params)
         hf_qwen3.check_complete(flat, self.model_config)
@@ -230,29 +238,52 @@ class VllmEngine(Engine):
 
     def generate(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams,
                  seed: int) -> list[Completion]:
+        self._check_no_session("generate()")
         self._validate(prompt_token_ids, sampling)
+        requests = self.requests(prompt_token_ids, sampling, seed)
+        outputs = self.llm.generate([prompt for prompt, _, _ in requests],
+                                    [params for _, params, _ in requests], use_tqdm=False)
+        return [c for (_, _, n), output in zip(requests, outputs, strict=True)
+                for c in self.completions(output, n, sampling)]
+
+    def requests(self, prompt_token_ids: Sequence[Sequence[int]], sampling: SamplingParams,
+                 seed: int) -> list[tuple[Any, Any, int]]:
+        """The vLLM requests of `generate(prompt_token_ids, sampling, seed)`: (token prompt,
+        SamplingParams, n), a run of equal prompts one request."""
         vllm = import_vllm()
         from vllm.inputs import TokensPrompt
 
-        groups = group_requests(prompt_token_ids)
-        requests = [TokensPrompt(prompt_token_ids=prompt) for prompt, _ in groups]
-        params = [self.sampling_params(vllm, sampling, n, request_seed(seed, r))
-                  for r, (_, n) in enumerate(groups)]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
-        completions: list[Completion] = []
-        for (_, n), output in zip(groups, outputs, strict=True):
-            samples = sorted(output.outputs, key=lambda c: c.index)
-            if len(samples) != n:
-                raise RuntimeError(f"vLLM returned {len(samples)} samples for a request of n={n}")
-            completions += [self._completion(c, sampling) for c in samples]
-        return completions
+        return [(TokensPrompt(prompt_token_ids=prompt),
+                 self.sampling_params(vllm, sampling, n, request_seed(seed, r)), n)
+                for r, (prompt, n) in enumerate(group_requests(prompt_token_ids))]
 
-    def session(self, sampling: SamplingParams, max_requests: int, **capacity: Any) -> Any:
-        """Refused: sliced decoding is the jax and maxtext engines' (`engine.session`)."""
-        raise NotImplementedError(
-            "VllmEngine does not decode in slices: vLLM's LLMEngine.add_request() and step() "
-            "could serve a session, but this engine's contract with vLLM is recorded for "
-            "LLM.generate() only (tests/fixtures/vllm_fake); use rollout_engine=jax or maxtext")
+    def completions(self, output: Any, n: int, sampling: SamplingParams) -> list[Completion]:
+        """The `Completion`s of one finished vLLM request of `n` samples, in sample order."""
+        samples = sorted(output.outputs, key=lambda c: c.index)
+        if len(samples) != n:
+            raise RuntimeError(f"vLLM returned {len(samples)} samples for a request of n={n}")
+        return [self._completion(c, sampling) for c in samples]
+
+    @property
+    def decodes_in_slices(self) -> bool:
+        return True
+
+    def session(self, sampling: SamplingParams, max_requests: int, **capacity: Any
+                ) -> VllmSession:
+        """A `VllmSession`: `generate`'s requests on vLLM's LLMEngine, stepped in slices
+        (`engine.session`); `generate` and another session wait until it is closed."""
+        self._check_no_session("another session")
+        self._session = VllmSession(self, sampling, max_requests, **capacity)
+        return self._session
+
+    def _close_session(self, session: VllmSession) -> None:
+        if self._session is session:
+            self._session = None
+
+    def _check_no_session(self, what: str) -> None:
+        if self._session is not None:
+            raise RuntimeError(f"the engine's vLLM is held by an open VllmSession: close() it "
+                               f"before {what}")
 
     def _completion(self, sample: Any, sampling: SamplingParams) -> Completion:
         tokens = np.asarray(sample.token_ids, np.int32)
