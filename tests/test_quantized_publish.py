@@ -157,3 +157,19 @@ def test_da_run_puts_quantized_weights_and_in_flight_updates_load_them(tmp_path)
     assert [r["batch_versions"] for r in records] == [[0], [0]]
     assert records[1]["mixed_completions"] > 0
     assert all(np.isfinite(r["reward_mean"]) for r in records)
+
+
+def test_an_unquantized_publish_goes_in_the_engines_narrower_dtype():
+    """A float32 trainer, a bf16 jax engine, no quantization: the put holds bf16 (half the
+    bytes), each leaf the very bf16 the engine's load casts from float32 (so it holds the
+    same); LoRA's adapters and other engines' trees go as the trainer holds them."""
+    cfg, _, gathered = trainer_params(["rollout_weight_dtype=bfloat16"])
+    assert publish_form(cfg) == ("", jnp.dtype(jnp.bfloat16))
+    full, published = host_copy(gathered), host_copy(gathered, *publish_form(cfg))
+    assert tree_bytes(published) * 2 == tree_bytes(full)
+    for path, leaf in flatten_tree(published).items():
+        assert leaf.dtype == jnp.bfloat16, path
+        np.testing.assert_array_equal(leaf, np.asarray(flatten_tree(full)[path], jnp.bfloat16))
+    for keys in (["lora_rank=4"], ["rollout_engine=maxtext"]):
+        other = config.load_config(None, ["rollout_weight_dtype=bfloat16", *keys])
+        assert publish_form(other) == ("", None), keys

@@ -8,8 +8,9 @@ running the shared phases (`runtime.phases`) of its side of the step.
   `phases.pack` (rows per device agreed in the trainers' exchange) and `TrainPhase` (the
   colocated mode's FSDP update, off-policy against the engine's behaviour logprobs), then the
   publish: the leader `ray.put`s one host copy of the new weights, once per version; every
-  rollout actor fetches that one object. Under `quantization` the copy is the engine's form
-  (`publish_form`): the projections arrive quantized, half of bf16's bytes. With LoRA only the
+  rollout actor fetches that one object. The copy is the jax engine's form (`publish_form`): in
+  its weight dtype where narrower, and under `quantization` the projections quantized, half of
+  bf16's bytes. With LoRA only the
   first publish is the whole tree; later ones are the adapters, and a rollout actor without
   the base (a restarted one) fetches the first object too. An update skipped as non-finite
   changed nothing, so it publishes nothing: the version and its object stay the last
@@ -60,11 +61,12 @@ def host_copy(tree: Any, quantization: str = "", engine_dtype: Any = None) -> An
 
 
 def publish_form(cfg: Config) -> tuple[str, Any]:
-    """(quantization, engine weight dtype) of a publish that quantizes on the trainer side:
-    the jax engine's under `quantization` (int8/fp8 values and a float32 scale an output
-    channel move about half of bf16's bytes, a quarter of float32's); ("", None) otherwise,
-    the full-precision tree the engine quantizes as it loads."""
-    if not cfg.quantization or cfg.rollout_engine != "jax":
+    """(quantization, engine weight dtype) of a publish in the jax engine's form: its weight
+    dtype where that is narrower (a float32 trainer's bf16 engine takes half the bytes), and
+    under `quantization` its projections quantized (int8/fp8 values and a float32 scale an
+    output channel: about half of bf16's bytes). ("", None) otherwise (other engines, and LoRA's
+    adapters unquantized): the tree as the trainer holds it, cast by the engine as it loads."""
+    if cfg.rollout_engine != "jax" or (cfg.lora_rank and not cfg.quantization):
         return "", None
     return cfg.quantization, models.model_config(cfg, 0, for_sampling=True).param_dtype
 
