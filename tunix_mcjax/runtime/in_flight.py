@@ -41,7 +41,8 @@ class InFlightPhases(phases.RolloutPhases):
             return []
         seed = phases.rollout_seed(self.cfg.seed, adm.step, self.host, round_)
         with self.engine.session(self.sampling, max_requests=len(requests),
-                                 max_prompts=len(requests), group_size=g) as session:
+                                 max_prompts=phases.prompt_slots(self.cfg, len(requests)),
+                                 group_size=g) as session:
             ids = session.join(requests, seed, group_size=g)
             done = session.step(max_iterations=self.cfg.in_flight_update_iterations)
             sampled, next_version = session.lengths(), self.version

@@ -56,6 +56,14 @@ def sampling_params(cfg: Config) -> SamplingParams:
     )
 
 
+def prompt_slots(cfg: Config, requests: int) -> int:
+    """The prompt slots `generate` gives `requests` (GRPO groups of num_generations): one a group
+    when its requests share their prompt's pages, else one a request. A session opened with
+    more prefills at more rows, which rounds differently (a sample can change at a draw within
+    rounding of a token's boundary), and costs decode time."""
+    return requests // cfg.num_generations if cfg.enable_prefix_caching else requests
+
+
 def rollout_seed(seed: int, step: int, host: int, round_: int = 0) -> int:
     """A distinct sampling seed per (run seed, step, host) and dynamic sampling's refill round;
     the engine folds in the replica."""
@@ -201,10 +209,8 @@ class RolloutPhases:
         as it is whole, and is scored while the rest decode (`score` collects them)."""
         g = self.cfg.num_generations
         samples: dict[int, Completion] = {}
-        # generate's program shape: a prompt slot a group when its requests share their
-        # prompt's pages (more slots changed the samples, and cost decode time), else a request
-        prompt_slots = len(requests) // g if self.cfg.enable_prefix_caching else len(requests)
-        with self.engine.session(self.sampling, len(requests), max_prompts=prompt_slots,
+        with self.engine.session(self.sampling, len(requests),
+                                 max_prompts=prompt_slots(self.cfg, len(requests)),
                                  group_size=g,
                                  max_prompt_length=max(len(r) for r in requests)) as session:
             start = time.monotonic()
