@@ -246,3 +246,14 @@ def test_a_request_joined_while_a_slice_runs_waits_for_its_own_done(engine):
         assert returned[request_id].tokens.tolist() == completion.tokens.tolist()
         np.testing.assert_allclose(returned[request_id].logprobs, completion.logprobs,
                                    atol=1e-6)
+
+
+def test_a_slice_bound_no_session_can_run_is_refused():
+    """Both sessions (the jax engine's, vLLM's) refuse a slice of no step or no time by name."""
+    from tunix_mcjax.engine.session import check_slice
+
+    with pytest.raises(ValueError, match="max_iterations=0: a slice runs at least one engine"):
+        check_slice(0, None, "engine step")
+    with pytest.raises(ValueError, match=r"time_budget_s=0.0 must be > 0"):
+        check_slice(None, 0.0, "loop iteration")
+    check_slice(1, 0.5, "loop iteration")

@@ -323,11 +323,7 @@ class DecodeSession:
         one iteration; `_timed`). Returns the requests of the groups that became whole, by
         request id."""
         self._check_open()
-        if max_iterations is not None and max_iterations < 1:
-            raise ValueError(f"max_iterations={max_iterations}: a slice runs at least one loop "
-                             "iteration (None: until every request is done)")
-        if time_budget_s is not None and not time_budget_s > 0:
-            raise ValueError(f"time_budget_s={time_budget_s} must be > 0 (None: no budget)")
+        check_slice(max_iterations, time_budget_s, "loop iteration")
         if time_budget_s is None:
             finished = self._land_running()
             self._advance(WHOLE if max_iterations is None else max_iterations)
@@ -538,6 +534,15 @@ def split_groups(count: int, group_size: int | Sequence[int]) -> list[range]:
         raise ValueError(f"{count} prompts do not split into groups of group_size={group_size}")
     starts = np.cumsum([0, *sizes[:-1]])
     return [range(start, start + size) for start, size in zip(starts, sizes, strict=True)]
+
+
+def check_slice(max_iterations: int | None, time_budget_s: float | None, unit: str) -> None:
+    """A ValueError naming a slice bound no session can run: under one `unit` or no time."""
+    if max_iterations is not None and max_iterations < 1:
+        raise ValueError(f"max_iterations={max_iterations}: a slice runs at least one {unit} "
+                         "(None: until every request is done)")
+    if time_budget_s is not None and not time_budget_s > 0:
+        raise ValueError(f"time_budget_s={time_budget_s} must be > 0 (None: no budget)")
 
 
 def session_shape(engine: Any, sampling: SamplingParams, max_requests: int, max_prompts: int,

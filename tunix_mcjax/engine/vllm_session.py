@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tunix_mcjax.engine.base import Completion, SamplingParams
-from tunix_mcjax.engine.session import split_groups
+from tunix_mcjax.engine.session import check_slice, split_groups
 
 _SESSIONS = itertools.count()  # vLLM request ids: distinct per session, never generate's
 
@@ -99,11 +99,7 @@ class VllmSession:
         done) and, with `time_budget_s`, steps until that time is spent (at least one).
         Returns the requests of the groups that became whole, by request id."""
         self._check_open()
-        if max_iterations is not None and max_iterations < 1:
-            raise ValueError(f"max_iterations={max_iterations}: a slice runs at least one engine "
-                             "step (None: until every request is done)")
-        if time_budget_s is not None and not time_budget_s > 0:
-            raise ValueError(f"time_budget_s={time_budget_s} must be > 0 (None: no budget)")
+        check_slice(max_iterations, time_budget_s, "engine step")
         deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
         steps = 0
         while self._requests and (max_iterations is None or steps < max_iterations):
