@@ -83,10 +83,12 @@ def bf16_report(patched_root: Path) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("family", MOE_FAMILIES)
 def test_recorded_routing_replays_to_the_same_logits(replay_report: dict, family: str) -> None:
+    """Within float32 summation order relative to the logits (20-26 at this init; the two
+    forwards differ by 2e-6 to 4e-6 of that, and replaying other experts moves them by 28-31)."""
     out = replay_report[family]
     assert out["shape"] == [2, 24, 2, 2]  # [rows, tokens, moe layers, top-k]
-    assert out["own"] < 1e-4, "the scanned and unscanned forwards disagree without replay"
-    assert out["replayed"] < 1e-4
+    assert out["own"] < 1e-5 * out["scale"], "the scanned and unscanned forwards disagree"
+    assert out["replayed"] < 1e-5 * out["scale"]
 
 
 @pytest.mark.slow
@@ -100,19 +102,15 @@ def test_replaying_other_experts_changes_the_logits(replay_report: dict, family:
 def test_the_trainer_replaying_the_engines_routing_scores_its_logprobs(replay_report: dict,
                                                                        family: str) -> None:
     """fp32, the rollout's weights: with replay the trainer's logprobs of the rollout tokens
-    equal the engine's within 1e-4."""
+    equal the engine's within 1e-4. Whether float32 rounding flips a near-tied route without
+    replay turns on last-bit rounding that moves with the engine's kernels and the CPU (0.28 at
+    64027ed, 1.1e-5 since), so the test that this check can fail is the bf16 one below, where
+    rounding flips routes on any machine."""
     out = replay_report[family]["engine"]
     assert out["rest_routed"] and out["unrun_is_minus_one"]
     assert [shape[0] for shape in out["routing_shapes"]] == [a + n for a, n in out["lengths"]]
     assert all(shape[1:] == [2, 2] for shape in out["routing_shapes"])
     assert out["replay"] < 1e-4
-
-
-@pytest.mark.slow
-def test_without_replay_the_near_tied_routes_flip(replay_report: dict) -> None:
-    """The check above can fail: routing on its own, the trainer moves some Qwen3 MoE tokens to
-    other experts. (gpt-oss's routes did not flip at this tie: 6.4e-5 either way.)"""
-    assert replay_report["qwen3_moe"]["engine"]["own"] > 1e-3
 
 
 @pytest.mark.slow

@@ -87,6 +87,7 @@ def family_report(args: list[str]) -> dict:
         out = {name: float(jnp.max(jnp.abs(scanned_logits(forced) - reference)))
                for name, forced in (("own", None), ("replayed", routing), ("shifted", shifted))}
     out["shape"] = list(routing.shape)
+    out["scale"] = float(jnp.max(jnp.abs(reference)))
     return out
 
 
