@@ -24,7 +24,8 @@ def test_plan_pairs_k1_k4_and_in_flight_seed_by_seed_on_one_trainer_and_one_roll
     assert k1.arm == staleness.BASE == BENCH.base
     assert "rl_runtime=mcjax_da" in k1.overrides() and "seed=0" in k1.overrides()
     assert k4.overrides() == [*k1.overrides()[:-1], "off_policy_steps=4"]
-    assert k4if.overrides()[-2:] == ["off_policy_steps=4", "in_flight_weight_updates=true"]
+    assert k4if.overrides()[-3:] == ["off_policy_steps=4", "in_flight_weight_updates=true",
+                                     "in_flight_update_iterations=1"]
     for cell in cells[:3]:
         assert mismatch.config_refusal(cell, ["steps=150"]) == ""
         cfg = load_config(mismatch.DEMO, cell.overrides())

@@ -10,8 +10,10 @@ default 0.5 makes them 1 trainer host and 1 rollout host (DA needs a whole numbe
 hosts and a rollout host, so 2 hosts is its smallest split):
   k1     off_policy_steps=1: the paper's DA, each batch one update stale
   k4     off_policy_steps=4: four batches in flight, each four updates stale once they fill
-  k4+if  the same with in_flight_weight_updates=true: a rollout host loads the next version
-         in the middle of a batch, so a batch's later tokens are fresher
+  k4+if  the same with in_flight_weight_updates=true and in_flight_update_iterations=1: a
+         rollout host loads the next version after a batch's first decode iteration, so its
+         later tokens are fresher (the demo's completions are 2 tokens: at the default 16
+         iterations no version would land mid-batch, and the arm would be k4's)
 Reported as bench.learn_arms reports an arm table: per arm, steps to --target (seed median
 [95% seed bootstrap]), seeds reached, final accuracy, the demo's bar met per seed, the
 staleness of the batches (and, in-flight, of the tokens) as the runs record it; the k4 / k1
@@ -29,7 +31,8 @@ BASE = "k1"
 BENCH = learn_arms.Bench(
     "Learning at staleness k under DA", "mcjax_da",
     {BASE: ("off_policy_steps=1",), "k4": ("off_policy_steps=4",),
-     "k4+if": ("off_policy_steps=4", "in_flight_weight_updates=true")},
+     "k4+if": ("off_policy_steps=4", "in_flight_weight_updates=true",
+               "in_flight_update_iterations=1")},
     Path("bench_results/staleness/learn"))
 
 
