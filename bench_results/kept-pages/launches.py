@@ -6,10 +6,11 @@ Each launch is `recipes/cpu/demo_agentic.yml` on 2 hosts x 1 device (as its head
 `steps=STEPS`, with `agentic_keep_pages=true` (arm `kept`) or `false` (arm `generate`: a
 `generate` per round), alternating kept / generate per launch so a drift of the machine's speed
 falls on both. Writes OUT_DIR/launches.jsonl (one line a launch: host 0's records' step,
-generate and train seconds, both hosts' prefill tokens per step, the load average before and
-after) and OUT_DIR/report.json: each arm's median over steady steps (steps without a compile)
-with a 95% interval, and kept / generate as a launch-bootstrap interval (bench.stats) and
-Welch's on log step times.
+generate and train seconds, both hosts' prefill tokens per step, the steps in which a host
+compiled, every step's seconds, the load average before and after) and OUT_DIR/report.json:
+each arm's wall seconds, compiled steps and summed step seconds per launch, its median over
+steady steps (steps in which no host compiled) with a 95% interval, and kept / generate as a
+launch-bootstrap interval (bench.stats) and Welch's on log step times.
 """
 
 from __future__ import annotations
@@ -42,9 +43,13 @@ def launch(arm: str, steps: int) -> dict:
             raise SystemExit(f"{arm} launch failed:\n{proc.stderr[-3000:]}")
         hosts = [[json.loads(line) for line in p.read_text().splitlines()]
                  for p in sorted(Path(out).glob("*/host_*.jsonl"))]
-    steady = [r["step"] for r in hosts[0] if not r.get("compiled") and not r.get("train_compiled")]
     by_step = [{r["step"]: r for r in h} for h in hosts]
-    return {"arm": arm, "wall_s": round(wall, 2), "steady_steps": steady,
+    # A step in which any host compiled is not steady: the others wait for it in the exchange.
+    compiled = sorted({r["step"] for h in hosts for r in h
+                       if r.get("compiled") or r.get("train_compiled")})
+    steady = [r["step"] for r in hosts[0] if r["step"] not in compiled]
+    return {"arm": arm, "wall_s": round(wall, 2), "compiled_steps": compiled,
+            "all_step_s": [r["step_s"] for r in hosts[0]], "steady_steps": steady,
             **{f"{k}_s": [by_step[0][s][f"{k}_s"] for s in steady]
                for k in ("step", "generate", "train")},
             "prefill_tokens": [sum(h[s]["turns"]["prefill_tokens"] for h in by_step)
@@ -61,6 +66,10 @@ def report(rows: list[dict]) -> dict:
     out = {"launches": {a: len(v) for a, v in arms.items()},
            "loadavg_1m": [min(r["loadavg_1m"][0] for r in rows),
                           max(max(r["loadavg_1m"]) for r in rows)]}
+    for a, runs in arms.items():
+        out[f"{a}/wall_s"] = [r["wall_s"] for r in runs]
+        out[f"{a}/compiled_steps"] = [r["compiled_steps"] for r in runs]
+        out[f"{a}/run_s"] = [round(sum(r["all_step_s"]), 2) for r in runs]
     for key in ("step_s", "generate_s", "train_s", "prefill_tokens", "full_reprefill_tokens"):
         for a, runs in arms.items():
             pooled = [x for r in runs for x in r[key]]
