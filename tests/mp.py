@@ -16,6 +16,24 @@ TINY = ["base_num_decoder_layers=1", "base_emb_dim=32", "base_mlp_dim=64",
         "base_num_query_heads=2", "base_num_kv_heads=1", "head_dim=16"]
 
 
+DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def force_cpu_devices(count: int) -> None:
+    """`count` CPU devices for this process, unless XLA_FLAGS names a count already (call it
+    before JAX starts its backend; the suite's other XLA_FLAGS stay)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if DEVICE_COUNT_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_COUNT_FLAG}={count}".strip()
+
+
+def xla_flags(devices: int) -> str:
+    """XLA_FLAGS for a child process with `devices` CPU devices: this process's other flags."""
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
+            if not f.startswith(DEVICE_COUNT_FLAG)]
+    return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={devices}"])
+
+
 def launch(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
     """`python -m tunix_mcjax.launch ARGS`, output captured."""
     return subprocess.run([sys.executable, "-m", "tunix_mcjax.launch", *args], cwd=REPO,

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import pytest
 from jax.experimental.pallas.ops.tpu.ragged_paged_attention import tuned_block_sizes
 
+from tests.conftest import SUITE_XLA_FLAG
 from tunix_mcjax.aot import libtpu
 from tunix_mcjax.engine.paged_attention import rpa_block_sizes
 
@@ -31,7 +32,10 @@ TPU7X_DEVICE_BYTES = int(94.7 * 2**30)
 
 
 def run(args: list[str], **env: str) -> subprocess.CompletedProcess:
+    """`python ARGS` as a user's process: no suite cache, and XLA's optimisations on."""
     environ = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    environ["XLA_FLAGS"] = " ".join(f for f in environ.get("XLA_FLAGS", "").split()
+                                    if f != SUITE_XLA_FLAG)
     environ.update(PYTHONPATH=str(ROOT), **env)
     return subprocess.run([sys.executable, *args], cwd=ROOT, env=environ, capture_output=True,
                           text=True, timeout=300)

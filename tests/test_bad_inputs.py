@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from tests.mp import REPO, TINY, read_jsonl
+from tests.mp import REPO, TINY, read_jsonl, xla_flags
 from tunix_mcjax.config import ConfigError, load_config
 
 DEMO = "recipes/cpu/demo.yml"
@@ -361,7 +361,7 @@ for dp, tp in ((-1, 1), (1, 1), (3, 1), (1, 2), (-1, 2)):
 
 @pytest.mark.slow  # a 2-host launch
 def test_rollout_data_parallelism_reaches_the_engine():
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
+    env = {**os.environ, "XLA_FLAGS": xla_flags(4),
            "JAX_PLATFORMS": "cpu"}
     proc = subprocess.run([sys.executable, "-c", ENGINE_REPLICAS], cwd=REPO, capture_output=True,
                           text=True, timeout=120, env=env)

@@ -1,8 +1,8 @@
 """JaxEngine against Tunix's own Qwen3 forward, on a tiny random-init model (CPU, 2 devices)."""
 
-import os
+from tests.mp import force_cpu_devices
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+force_cpu_devices(2)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -3,9 +3,9 @@ device, gives `generate`'s samples exactly; joined requests keep their own sampl
 come back whole and as soon as they are whole. One engine for the module (tiny Qwen3, CPU):
 continuous batching, a pool small enough to preempt, 32 slots so the tail decodes packed."""
 
-import os
+from tests.mp import force_cpu_devices
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+force_cpu_devices(2)
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402

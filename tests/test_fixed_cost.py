@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from tests.mp import REPO
+from tests.mp import REPO, xla_flags
 from tunix_mcjax.bench.hlo import collectives
 
 
@@ -18,7 +18,7 @@ from tunix_mcjax.bench.hlo import collectives
 def fixed_cost(tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp("fixed_cost")
     env = {**os.environ, "PYTHONPATH": str(REPO),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+           "XLA_FLAGS": xla_flags(4)}
     proc = subprocess.run([sys.executable, "-m", "tests.workers_memory.fixed_cost", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

@@ -2,9 +2,10 @@
 tensor) in the jax engine, on the XLA path and the TPU kernel's."""
 
 import json
-import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+from tests.mp import force_cpu_devices
+
+force_cpu_devices(2)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

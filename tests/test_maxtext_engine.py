@@ -9,10 +9,11 @@ from __future__ import annotations
 import collections
 import functools
 import json
-import os
 import re
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+from tests.mp import force_cpu_devices
+
+force_cpu_devices(2)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -4,9 +4,10 @@ pages (`quantize_kvcache`, `kv_quant_dtype`) and projection weights (`quantizati
 from __future__ import annotations
 
 import functools
-import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+from tests.mp import force_cpu_devices
+
+force_cpu_devices(2)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

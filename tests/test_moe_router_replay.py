@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("maxtext")
 
-from tests.mp import REPO  # noqa: E402
+from tests.mp import REPO, xla_flags  # noqa: E402
 from tests.test_maxtext_engine import CPU, FAMILIES  # noqa: E402
 from tunix_mcjax import patches  # noqa: E402
 
@@ -54,7 +54,7 @@ def run_check(root: Path, mode: str) -> dict:
     families = {name: [*FAMILIES[name], *CPU] for name in MOE_FAMILIES}
     rl_yml = root / "maxtext" / "configs" / "post_train" / "rl.yml"
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{REPO}", "JAX_PLATFORMS": "cpu",
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+           "XLA_FLAGS": xla_flags(2)}
     result = subprocess.run(
         [sys.executable, "-m", "tests.workers.moe_replay_check", json.dumps(families),
          str(rl_yml), mode], cwd=REPO, env=env, capture_output=True, text=True, timeout=1800)

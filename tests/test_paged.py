@@ -4,7 +4,9 @@ loop's pool, prefix sharing, chunked prefill and preemption against unconstraine
 import functools
 import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+from tests.mp import force_cpu_devices
+
+force_cpu_devices(2)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

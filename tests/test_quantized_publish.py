@@ -3,9 +3,9 @@
 rollout engine places it as it comes. It must hold what engine-side quantization of the
 full-precision copy holds, and the object put must be that much smaller."""
 
-import os
+from tests.mp import force_cpu_devices
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+force_cpu_devices(2)
 
 import pickle  # noqa: E402
 

@@ -1,9 +1,10 @@
 """Quantized rollout weights (`quantization`: int8, fp8) in the jax engine, on the tiny model."""
 
 import math
-import os
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+from tests.mp import force_cpu_devices
+
+force_cpu_devices(2)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

@@ -1,9 +1,9 @@
 """The jax engine scans its layers: one layer body in its program whatever the depth, a stacked
 pool written and read in place at (layer, page, slot), and weights held stacked."""
 
-import os
+from tests.mp import force_cpu_devices
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
+force_cpu_devices(2)
 
 import re  # noqa: E402
 

@@ -11,14 +11,14 @@ import sys
 import numpy as np
 import pytest
 
-from tests.mp import REPO
+from tests.mp import REPO, xla_flags
 
 
 @pytest.fixture(scope="module")
 def updates(tmp_path_factory) -> dict[str, np.ndarray]:
     out = tmp_path_factory.mktemp("layouts")
     env = {**os.environ, "PYTHONPATH": str(REPO),
-           "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+           "XLA_FLAGS": xla_flags(4)}
     proc = subprocess.run([sys.executable, "-m", "tests.workers_memory.updates", str(out)],
                           cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
