@@ -1,16 +1,18 @@
 """The agentic tool demo's step time and prefill tokens with and without kept pages, in launches.
 
-    python bench_results/kept-pages/launches.py OUT_DIR [--launches 3] [--steps 60]
+    python bench_results/kept-pages/launches.py OUT_DIR [--launches 3] [--steps 60] [--maxtext]
 
 Each launch is `recipes/cpu/demo_agentic.yml` on 2 hosts x 1 device (as its header runs it),
-`steps=STEPS`, with `agentic_keep_pages=true` (arm `kept`) or `false` (arm `generate`: a
-`generate` per round), alternating kept / generate per launch so a drift of the machine's speed
-falls on both. Writes OUT_DIR/launches.jsonl (one line a launch: host 0's records' step,
-generate and train seconds, both hosts' prefill tokens per step, the steps in which a host
-compiled, every step's seconds, the load average before and after) and OUT_DIR/report.json:
-each arm's wall seconds, compiled steps and summed step seconds per launch, its median over
-steady steps (steps in which no host compiled) with a 95% interval, and kept / generate as a
-launch-bootstrap interval (bench.stats) and Welch's on log step times.
+`steps=STEPS`, or with --maxtext MaxText's agentic recipe (the same tool demo under MaxText's
+chat template and Qwen3's tokenizer: `recipes/maxtext/cpu/run.sh` with qwen3_tiny_agentic.args,
+2 hosts x 1 device, `num_batches=STEPS`), with `agentic_keep_pages=true` (arm `kept`) or
+`false` (arm `generate`: a `generate` per round), alternating kept / generate per launch so a
+drift of the machine's speed falls on both. Writes OUT_DIR/launches.jsonl (one line a launch:
+host 0's records' step, generate and train seconds, both hosts' prefill tokens per step, the
+steps in which a host compiled, every step's seconds, the load average before and after) and
+OUT_DIR/report.json: each arm's wall seconds, compiled steps and summed step seconds per
+launch, its median over steady steps (steps in which no host compiled) with a 95% interval, and
+kept / generate as a launch-bootstrap interval (bench.stats) and Welch's on log step times.
 """
 
 from __future__ import annotations
@@ -30,19 +32,28 @@ from tunix_mcjax.bench import stats
 ARMS = {"kept": "agentic_keep_pages=true", "generate": "agentic_keep_pages=false"}
 
 
-def launch(arm: str, steps: int) -> dict:
+def command(out: str, steps: int, maxtext: bool) -> tuple[list[str], dict[str, str]]:
+    if maxtext:
+        return (["bash", "recipes/maxtext/cpu/run.sh", f"num_batches={steps}",
+                 f"base_output_directory={out}"],
+                {**os.environ, "PYTHON": sys.executable, "RECIPE_ARGS": "qwen3_tiny_agentic.args"})
+    return ([sys.executable, "-m", "tunix_mcjax.launch", "--hosts", "2", "--devices-per-host",
+             "1", "recipes/cpu/demo_agentic.yml", f"steps={steps}",
+             f"base_output_directory={out}"], dict(os.environ))
+
+
+def launch(arm: str, steps: int, maxtext: bool) -> dict:
     with tempfile.TemporaryDirectory() as out:
+        argv, env = command(out, steps, maxtext)
         load0 = os.getloadavg()[0]
         t0 = time.monotonic()
-        proc = subprocess.run(
-            [sys.executable, "-m", "tunix_mcjax.launch", "--hosts", "2", "--devices-per-host",
-             "1", "recipes/cpu/demo_agentic.yml", f"steps={steps}", f"base_output_directory={out}",
-             ARMS[arm]], capture_output=True, text=True, timeout=1800)
+        proc = subprocess.run([*argv, ARMS[arm]], env=env, capture_output=True, text=True,
+                              timeout=1800)
         wall = time.monotonic() - t0
         if proc.returncode:
             raise SystemExit(f"{arm} launch failed:\n{proc.stderr[-3000:]}")
         hosts = [[json.loads(line) for line in p.read_text().splitlines()]
-                 for p in sorted(Path(out).glob("*/host_*.jsonl"))]
+                 for p in sorted(Path(out).rglob("host_*.jsonl"))]
     by_step = [{r["step"]: r for r in h} for h in hosts]
     # A step in which any host compiled is not steady: the others wait for it in the exchange.
     compiled = sorted({r["step"] for h in hosts for r in h
@@ -90,13 +101,14 @@ def main() -> None:
     p.add_argument("out", type=Path)
     p.add_argument("--launches", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--maxtext", action="store_true", help="MaxText's agentic recipe")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     with (args.out / "launches.jsonl").open("w") as f:
         for _ in range(args.launches):
             for arm in ARMS:
-                rows.append(launch(arm, args.steps))
+                rows.append(launch(arm, args.steps, args.maxtext))
                 f.write(json.dumps(rows[-1]) + "\n")
                 f.flush()
                 print(arm, rows[-1]["wall_s"], statistics.median(rows[-1]["step_s"]), flush=True)
