@@ -1,18 +1,19 @@
 """The agentic tool demo's step time and prefill tokens with and without kept pages, in launches.
 
     python bench_results/kept-pages/launches.py OUT_DIR [--launches 3] [--steps 60] [--maxtext]
+        [--set KEY=VALUE ...]
 
 Each launch is `recipes/cpu/demo_agentic.yml` on 2 hosts x 1 device (as its header runs it),
 `steps=STEPS`, or with --maxtext MaxText's agentic recipe (the same tool demo under MaxText's
 chat template and Qwen3's tokenizer: `recipes/maxtext/cpu/run.sh` with qwen3_tiny_agentic.args,
-2 hosts x 1 device, `num_batches=STEPS`), with `agentic_keep_pages=true` (arm `kept`) or
-`false` (arm `generate`: a `generate` per round), alternating kept / generate per launch so a
-drift of the machine's speed falls on both. Writes OUT_DIR/launches.jsonl (one line a launch:
-host 0's records' step, generate and train seconds, both hosts' prefill tokens per step, the
-steps in which a host compiled, every step's seconds, the load average before and after) and
-OUT_DIR/report.json: each arm's wall seconds, compiled steps and summed step seconds per
-launch, its median over steady steps (steps in which no host compiled) with a 95% interval, and
-kept / generate as a launch-bootstrap interval (bench.stats) and Welch's on log step times.
+2 hosts x 1 device, `num_batches=STEPS`), with `agentic_keep_pages=true` (arm `kept`) or `false`
+(arm `generate`: a `generate` per round), alternating kept / generate per launch so a drift of
+the machine's speed falls on both; --set adds keys to both. Writes OUT_DIR/launches.jsonl (one
+line a launch: host 0's records' step, generate and train seconds, both hosts' prefill tokens
+per step, the steps in which a host compiled, every step's seconds, the load average before and
+after) and OUT_DIR/report.json: each arm's wall seconds, compiled steps and summed step seconds
+per launch, its median over steady steps (steps in which no host compiled) with a 95% interval,
+and kept / generate as a launch-bootstrap interval (bench.stats) and Welch's on log step times.
 """
 
 from __future__ import annotations
@@ -42,12 +43,12 @@ def command(out: str, steps: int, maxtext: bool) -> tuple[list[str], dict[str, s
              f"base_output_directory={out}"], dict(os.environ))
 
 
-def launch(arm: str, steps: int, maxtext: bool) -> dict:
+def launch(arm: str, steps: int, maxtext: bool, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as out:
         argv, env = command(out, steps, maxtext)
         load0 = os.getloadavg()[0]
         t0 = time.monotonic()
-        proc = subprocess.run([*argv, ARMS[arm]], env=env, capture_output=True, text=True,
+        proc = subprocess.run([*argv, *extra, ARMS[arm]], env=env, capture_output=True, text=True,
                               timeout=1800)
         wall = time.monotonic() - t0
         if proc.returncode:
@@ -102,13 +103,15 @@ def main() -> None:
     p.add_argument("--launches", type=int, default=3)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--maxtext", action="store_true", help="MaxText's agentic recipe")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config key for both arms")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     with (args.out / "launches.jsonl").open("w") as f:
         for _ in range(args.launches):
             for arm in ARMS:
-                rows.append(launch(arm, args.steps, args.maxtext))
+                rows.append(launch(arm, args.steps, args.maxtext, args.set))
                 f.write(json.dumps(rows[-1]) + "\n")
                 f.flush()
                 print(arm, rows[-1]["wall_s"], statistics.median(rows[-1]["step_s"]), flush=True)
