@@ -41,6 +41,14 @@ def run(args: list[str], **env: str) -> subprocess.CompletedProcess:
                           text=True, timeout=300)
 
 
+def test_tpu_compiles_run_with_the_users_xla_flags_not_the_suites():
+    """The suite compiles CPU programs at -O0 (tests/conftest.py); a TPU compile's memory
+    verdict must be the one a user's process gets."""
+    assert SUITE_XLA_FLAG in os.environ["XLA_FLAGS"].split()
+    out = run(["-c", "import os; print(os.environ.get('XLA_FLAGS', ''))"]).stdout
+    assert SUITE_XLA_FLAG not in out.split()
+
+
 @needs_libtpu
 def test_cpu_processes_do_not_see_libtpu():
     probe = ("import importlib.util, jax; print(importlib.util.find_spec('libtpu'), "
