@@ -9,14 +9,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tunix_mcjax.hostenv import DEVICE_COUNT_FLAG, with_cpu_devices
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A one-layer Qwen3 small enough for multi-process tests to compile in seconds.
 TINY = ["base_num_decoder_layers=1", "base_emb_dim=32", "base_mlp_dim=64",
         "base_num_query_heads=2", "base_num_kv_heads=1", "head_dim=16"]
-
-
-DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 
 
 def force_cpu_devices(count: int) -> None:
@@ -29,9 +28,7 @@ def force_cpu_devices(count: int) -> None:
 
 def xla_flags(devices: int) -> str:
     """XLA_FLAGS for a child process with `devices` CPU devices: this process's other flags."""
-    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()
-            if not f.startswith(DEVICE_COUNT_FLAG)]
-    return " ".join([*kept, f"{DEVICE_COUNT_FLAG}={devices}"])
+    return with_cpu_devices(os.environ.get("XLA_FLAGS", ""), devices)
 
 
 def launch(args: list[str], timeout: float = 400) -> subprocess.CompletedProcess:
