@@ -103,6 +103,42 @@ def test_groups_come_back_whole_and_as_soon_as_they_are_whole(engine):
     assert first < last  # an early group came back before the slowest one
 
 
+def group_timeline(engine, **step) -> list[tuple[list[int], int]]:
+    """PROMPTS in one session stepped with `step`'s arguments: per call that returned groups,
+    (the request ids, the loop's iterations when the slice it read ended)."""
+    timeline = []
+    with engine.session(SAMPLE, **CAPACITY) as session:
+        session.join(PROMPTS, seed=3, group_size=GROUP)
+        while session.unfinished:
+            if out := session.step(**step):
+                timeline.append((sorted(out), session.last_stats[0]["iterations"]))
+    return timeline
+
+
+def test_until_group_slices_end_as_a_group_becomes_whole(engine, reference):
+    """`step(until_group=True)` returns each group at the iteration it became whole (as slices
+    of one iteration find it), pipelined, and only then: no call comes back empty."""
+    want, stats = reference
+    every_iteration = group_timeline(engine, max_iterations=1)
+    programs = engine.compile_count
+    calls = 0
+    with engine.session(SAMPLE, **CAPACITY) as session:
+        session.join(PROMPTS, seed=3, group_size=GROUP)
+        got, timeline = {}, []
+        while session.unfinished:
+            out = session.step(until_group=True)
+            calls += 1
+            assert out, "an until_group step came back with no group"
+            timeline.append((sorted(out), session.last_stats[0]["iterations"]))
+            got.update(out)
+    assert timeline == every_iteration
+    assert calls == len(every_iteration) < len(GROUPS)  # some groups end together
+    assert engine.compile_count == programs  # the same advance program
+    for i, completion in enumerate(want):
+        assert got[i].tokens.tolist() == completion.tokens.tolist(), i
+        np.testing.assert_array_equal(got[i].logprobs, completion.logprobs)
+
+
 def samples_alone(engine, prompts, seed):
     """`prompts` decoded on a session of their own, by request id."""
     with engine.session(SAMPLE, **CAPACITY) as session:

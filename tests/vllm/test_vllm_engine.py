@@ -159,20 +159,23 @@ def test_partial_publish_is_an_error(engine, model):
 
 
 def test_a_session_gives_generates_samples_for_the_same_seeds(engine):
-    """Joined whole and stepped in slices of 1, 3 and to the end, or by a time budget that one
-    engine step spends, a session samples what `generate` samples (same requests, same seeds);
+    """Joined whole and stepped in slices of 1, 3 and to the end, by a time budget that one
+    engine step spends, or until a group is whole (each such call returning one), a session
+    samples what `generate` samples (same requests, same seeds);
     a join into the running batch keeps each request's sample, and close() aborts what is
     left so `generate` runs after it."""
     sampling = SamplingParams(max_new_tokens=MAX_NEW, temperature=1.0, top_k=20)
     want = engine.generate(PROMPTS, sampling, seed=5)
     groups = [2, 1, 3, 1]  # the runs of equal prompts
     slices = {}
-    for bound in ((1, None), (3, None), (None, None), (None, 1e-9)):
+    for bound in ((1, None), (3, None), (None, None), (None, 1e-9), (None, None, True)):
         with engine.session(sampling, max_requests=len(PROMPTS)) as session:
             ids = session.join(PROMPTS, seed=5, group_size=groups)
             got, slices[bound] = {}, 0
             while session.unfinished:
-                got.update(session.step(*bound))
+                out = session.step(*bound)
+                assert out or len(bound) < 3, "an until_group step returned no group"
+                got.update(out)
                 slices[bound] += 1
         for i, completion in enumerate(want):
             assert got[ids[i]].tokens.tolist() == completion.tokens.tolist(), (bound, i)

@@ -152,17 +152,32 @@ def outputs_of(state: LoopState, inp: Inputs) -> Outputs:
         stalled=stats.stalled & ~jnp.all(requests.done))
 
 
+def whole_groups(done: jax.Array, groups: jax.Array) -> jax.Array:
+    """How many groups are whole: `groups` [N] is each request slot's group (-1: none), and a
+    group is whole when every slot of it is `done` [N]."""
+    n = groups.shape[0]
+    segment = jnp.where(groups >= 0, groups, n)
+    members = jax.ops.segment_sum(jnp.ones_like(groups), segment, n + 1)[:n]
+    finished = jax.ops.segment_sum(done.astype(groups.dtype), segment, n + 1)[:n]
+    return jnp.sum((members > 0) & (finished == members))
+
+
 def run_loop(runner: ModelRunner, state: LoopState, max_iterations: jax.Array | None = None,
-             lockstep_axis: str | None = None) -> LoopState:
+             lockstep_axis: str | None = None, groups: jax.Array | None = None) -> LoopState:
     """Iterations until no request is left or nothing could move, at most `max_iterations` (a
-    traced int32, so one program serves every slice size; None: no bound). With
-    `lockstep_axis`, every shard along that mesh axis iterates until all are done."""
+    traced int32, so one program serves every slice size; None: no bound). With `groups` [N]
+    (each request slot's group, -1: none), also until one more group is whole than at the
+    start. With `lockstep_axis`, every shard along that mesh axis iterates until all are
+    done."""
+    start = None if groups is None else whole_groups(state.requests.done, groups)
 
     def keep_going(carry: tuple[LoopState, jax.Array]) -> jax.Array:
         state, count = carry
         going = unfinished(state)
         if lockstep_axis is not None:
             going = jax.lax.psum(going.astype(jnp.int32), lockstep_axis) > 0
+        if groups is not None:
+            going &= whole_groups(state.requests.done, groups) == start
         return going if max_iterations is None else going & (count < max_iterations)
 
     def body(carry: tuple[LoopState, jax.Array]) -> tuple[LoopState, jax.Array]:
@@ -198,13 +213,14 @@ def build_program(
 
 def build_advance(model: DecodeModel, shape: ProgramShape, spec: SamplerSpec,
                   masked_id: int | None) -> Callable[..., tuple[LoopState, Outputs]]:
-    """`(params, state, inputs, max_iterations) -> (state, outputs)`: a slice of the loop
-    (`engine.session`), at most `max_iterations` more iterations; donate the state."""
+    """`(params, state, inputs, max_iterations, groups) -> (state, outputs)`: a slice of the
+    loop (`engine.session`), at most `max_iterations` more iterations, ending once one more
+    of `groups` is whole (`run_loop`; all -1: never); donate the state."""
 
-    def advance(params: Any, state: LoopState, inp: Inputs,
-                max_iterations: jax.Array) -> tuple[LoopState, Outputs]:
+    def advance(params: Any, state: LoopState, inp: Inputs, max_iterations: jax.Array,
+                groups: jax.Array) -> tuple[LoopState, Outputs]:
         runner = ModelRunner(model, shape, spec, masked_id, params, inp)
-        state = run_loop(runner, state, max_iterations)
+        state = run_loop(runner, state, max_iterations, groups=groups)
         return state, outputs_of(state, inp)
 
     return advance

@@ -17,6 +17,7 @@ prompt once, and each member's keep slot shares the prompt's full pages
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -316,62 +317,84 @@ class DecodeSession:
 
     # ----- stepping -----
 
-    def step(self, max_iterations: int | None = None,
-             time_budget_s: float | None = None) -> dict[int, Completion]:
+    def step(self, max_iterations: int | None = None, time_budget_s: float | None = None,
+             until_group: bool = False) -> dict[int, Completion]:
         """Run the loop on, at most `max_iterations` iterations (None: until every request is
-        done) and, with `time_budget_s`, in pipelined slices until that time is spent (at least
-        one iteration; `_timed`). Returns the requests of the groups that became whole, by
-        request id."""
+        done); with `time_budget_s`, in pipelined slices until that time is spent (at least
+        one iteration); with `until_group`, in pipelined slices that each end as a group
+        becomes whole, returning the first read that finds one (`_pipelined`). Returns the
+        requests of the groups that became whole, by request id."""
         self._check_open()
         check_slice(max_iterations, time_budget_s, "loop iteration")
-        if time_budget_s is None:
+        if time_budget_s is None and not until_group:
             finished = self._land_running()
             self._advance(WHOLE if max_iterations is None else max_iterations)
             return finished | self._whole_groups()
-        return self._timed(max_iterations, time_budget_s)
+        return self._pipelined(max_iterations, time_budget_s, until_group)
 
-    def _timed(self, max_iterations: int | None, budget_s: float) -> dict[int, Completion]:
-        """Slices of about half the budget each (sized by the session's last seconds an
-        iteration), pipelined: the next slice is dispatched on the donated state before the
-        last one is read, so the device never waits for the host's sync, group fetch or
-        caller. Returns after the read that spends the budget, the next slice still running
-        (the next `step` reads it first); an uncalibrated session first runs one iteration
-        alone, to time it."""
+    def _pipelined(self, max_iterations: int | None, budget_s: float | None,
+                   until_group: bool) -> dict[int, Completion]:
+        """Slices pipelined: the next is dispatched on the donated state before the last one
+        is read, so the device never waits for the host's sync, group fetch or caller. A
+        timed slice is about half the budget (sized by the session's last seconds an
+        iteration; an uncalibrated session first runs one iteration alone, to time it).
+        Returns after the read that spends the budget or the iterations, or (`until_group`)
+        that finds a group whole, the next slice still running (the next `step` reads it
+        first). With `until_group` on one replica, slices end only as groups become whole:
+        on several, also on the clock, so that a replica whose slice ended does not wait long
+        for the others'."""
         finished: dict[int, Completion] = {}
-        deadline = time.monotonic() + budget_s
+        deadline = math.inf if budget_s is None else time.monotonic() + budget_s
+        clock = None if until_group and len(self._replicas) == 1 else budget_s
         left = WHOLE if max_iterations is None else max_iterations
+
+        def launch() -> list[_Slice]:
+            nonlocal left
+            size = self._slice_size(left, clock)
+            left -= 0 if max_iterations is None else size
+            return self._launch(size, until_group)
+
         while True:
             if self._running is None:
-                size = self._slice_size(left, budget_s)
-                self._running, left = self._launch(size), left - size
+                self._running = launch()
             ahead = None
-            if self._iteration_s is not None and left > 0:
-                size = self._slice_size(left, budget_s)
-                ahead, left = self._launch(size), left - size
+            if (clock is None or self._iteration_s is not None) and left > 0:
+                ahead = launch()
             self._land(self._running)
             self._running = ahead or None
             finished.update(self._whole_groups())
-            if not self.unfinished or left <= 0 or time.monotonic() >= deadline:
+            if (not self.unfinished or left <= 0 or time.monotonic() >= deadline
+                    or (until_group and finished)):
                 return finished
 
-    def _slice_size(self, left: int, budget_s: float) -> int:
-        """Iterations of a timed slice: half the budget at the last seconds an iteration (one
-        while uncalibrated), at most `left`."""
+    def _slice_size(self, left: int, budget_s: float | None) -> int:
+        """Iterations of a pipelined slice: half the budget at the last seconds an iteration
+        (one while uncalibrated; None: no clock, as many as `left`), at most `left`."""
+        if budget_s is None:
+            return left
         if self._iteration_s is None:
             return 1
         return int(min(left, max(1, budget_s / PIPELINE_SLICES / max(self._iteration_s, 1e-9))))
 
     def _advance(self, max_iterations: int) -> None:
         """A slice of every replica with requests left, read before it returns."""
-        self._land(self._launch(max_iterations))
+        self._land(self._launch(max_iterations, until_group=False))
 
-    def _launch(self, max_iterations: int) -> list[_Slice]:
+    def _launch(self, max_iterations: int, until_group: bool) -> list[_Slice]:
         """A slice of every replica with requests left, dispatched and not read: all are
-        queued before any is read, so the replicas run at once."""
+        queued before any is read, so the replicas run at once. With `until_group`, each
+        replica's slice also ends as one of its groups becomes whole."""
         launched = []
-        for rep in (r for r in self._replicas if not r.done.all()):
+        for index, rep in enumerate(self._replicas):
+            if rep.done.all():
+                continue
+            groups = np.full((self.shape.num_requests,), -1, np.int32)
+            if until_group:
+                for g, group in enumerate(self._groups):
+                    if group.replica == index:
+                        groups[list(group.slots)] = g
             rep.state, outputs, done = self._programs.advance(
-                rep.mesh_index, rep.state, rep.inputs, np.int32(max_iterations))
+                rep.mesh_index, rep.state, rep.inputs, np.int32(max_iterations), groups)
             launched.append(_Slice(rep, outputs, done, rep.slot_request.copy(),
                                    time.monotonic()))
         return launched

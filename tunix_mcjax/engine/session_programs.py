@@ -65,21 +65,24 @@ class SessionPrograms:
         return self._compiled("release", mesh_index, build, state, released)(state, released)
 
     def advance(self, mesh_index: int, state: LoopState, inputs: Inputs,
-                max_iterations: np.int32) -> tuple[LoopState, Outputs, jax.Array]:
-        """At most `max_iterations` more iterations: (state, outputs, each request's done);
+                max_iterations: np.int32, groups: np.ndarray
+                ) -> tuple[LoopState, Outputs, jax.Array]:
+        """At most `max_iterations` more iterations, ending once one more of `groups` [N] is
+        whole (each request slot's group, -1: none): (state, outputs, each request's done);
         donates `state`."""
         engine = self.engine
         model = engine._replica_model(mesh_index)
         fn = decode_loop.build_advance(model, self.shape, self.spec, engine.masked_id)
 
-        def run(params, state, inp, n):
-            state, outputs = fn(params, state, inp, n)
+        def run(params, state, inp, n, groups):
+            state, outputs = fn(params, state, inp, n, groups)
             return state, outputs, state.requests.done
 
-        def build(params, state, inputs, n):
+        def build(params, state, inputs, n, groups):
             return jax.jit(run, donate_argnums=1,
                            out_shardings=(_shardings(state), None, None))
 
         params = engine._tree(engine._params[mesh_index])
         return self._compiled("advance", mesh_index, build, params, state, inputs,
-                              max_iterations)(params, state, inputs, max_iterations)
+                              max_iterations, groups)(params, state, inputs, max_iterations,
+                                                      groups)

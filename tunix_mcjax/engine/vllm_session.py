@@ -93,11 +93,12 @@ class VllmSession:
         self._groups += [tuple(first + i for i in g) for g in groups]
         return list(range(first, self._next_id))
 
-    def step(self, max_iterations: int | None = None,
-             time_budget_s: float | None = None) -> dict[int, Completion]:
+    def step(self, max_iterations: int | None = None, time_budget_s: float | None = None,
+             until_group: bool = False) -> dict[int, Completion]:
         """Run vLLM on: at most `max_iterations` engine steps (None: until every request is
-        done) and, with `time_budget_s`, steps until that time is spent (at least one).
-        Returns the requests of the groups that became whole, by request id."""
+        done); with `time_budget_s`, steps until that time is spent (at least one); with
+        `until_group`, until a group is whole. Returns the requests of the groups that
+        became whole, by request id."""
         self._check_open()
         check_slice(max_iterations, time_budget_s, "engine step")
         deadline = None if time_budget_s is None else time.monotonic() + time_budget_s
@@ -108,6 +109,8 @@ class VllmSession:
                     self._finish(output)
             steps += 1
             if deadline is not None and time.monotonic() >= deadline:
+                break
+            if until_group and any(all(i in self._done for i in g) for g in self._groups):
                 break
         return self._whole_groups()
 

@@ -148,8 +148,8 @@ class Prompts:
 
 Scores = tuple[np.ndarray, np.ndarray, np.ndarray]  # (rewards, correct, group advantages)
 
-# Wall time of one `stream` slice: a whole group waits at most about this long for its scoring
-# to start, and each slice costs one host sync (the engine's `_timed` sizes its iterations).
+# `stream`'s slices end as groups become whole; on an engine of several replicas, also about
+# this often, so that a whole group waits at most about this long for its scoring to start.
 STREAM_SLICE_S = 0.05
 
 
@@ -217,7 +217,7 @@ class RolloutPhases:
             ids = session.join(requests, seed, group_size=g)
             index = {request_id: i for i, request_id in enumerate(ids)}
             while session.unfinished:
-                finished = session.step(time_budget_s=STREAM_SLICE_S)
+                finished = session.step(time_budget_s=STREAM_SLICE_S, until_group=True)
                 samples.update(finished)
                 for group in sorted({index[r] // g for r in finished}):
                     texts = completion_texts(self.prompts.tokenizer,
