@@ -19,14 +19,17 @@ BENCH = staleness.BENCH
 def test_plan_pairs_k1_k4_and_in_flight_seed_by_seed_on_one_trainer_and_one_rollout_host():
     cells = learn_arms.plan(BENCH, 2, hosts=2, devices_per_host=2)
     assert [c.name for c in cells] == [
-        f"demo-{arm}-da-tistoken-s{s}" for s in (0, 1) for arm in ("k1", "k4", "k4-if")]
-    k1, k4, k4if = cells[:3]
+        f"demo-{arm}-da-tistoken-s{s}" for s in (0, 1)
+        for arm in ("k1", "k4", "k4-if", "k1-mis", "k4-if-mis")]
+    k1, k4, k4if, k1mis, k4ifmis = cells[:5]
     assert k1.arm == staleness.BASE == BENCH.base
     assert "rl_runtime=mcjax_da" in k1.overrides() and "seed=0" in k1.overrides()
     assert k4.overrides() == [*k1.overrides()[:-1], "off_policy_steps=4"]
     assert k4if.overrides()[-3:] == ["off_policy_steps=4", "in_flight_weight_updates=true",
                                      "in_flight_update_iterations=1"]
-    for cell in cells[:3]:
+    assert k1mis.overrides() == [*k1.overrides(), "rollout_rs=token"]
+    assert k4ifmis.overrides() == [*k4if.overrides(), "rollout_rs=token"]
+    for cell in cells[:5]:
         assert mismatch.config_refusal(cell, ["steps=150"]) == ""
         cfg = load_config(mismatch.DEMO, cell.overrides())
         assert (cfg.rl_runtime, cfg.sampler_is, cfg.rollout_weight_dtype) == (
@@ -62,13 +65,14 @@ def _records(accuracy: list[float], k: int, in_flight: bool) -> list[dict]:
 def test_report_on_synthetic_runs_gives_each_arm_over_k1_the_bar_and_the_staleness(tmp_path):
     fast = [0.0, 0.5, 1.0, 1.0, 1.0, 1.0]  # 2-step trailing mean reaches 0.9 at step 4
     slow = [0.0, 0.0, 0.5, 1.0, 1.0, 0.8]  # ... at step 5, ends at 0.9 (< the bar)
-    accuracy = {"k1": (fast, fast), "k4": (slow, fast), "k4+if": (slow, slow)}
+    accuracy = {"k1": (fast, fast), "k4": (slow, fast), "k4+if": (slow, slow),
+                "k1+mis": (fast, fast), "k4+if+mis": (fast, slow)}
     cells = learn_arms.plan(BENCH, 2, hosts=2, devices_per_host=2)
     for cell in cells:
         run = tmp_path / "runs" / cell.name
         run.mkdir(parents=True)
-        recs = _records(accuracy[cell.arm][cell.seed], 1 if cell.arm == "k1" else 4,
-                        cell.arm == "k4+if")
+        recs = _records(accuracy[cell.arm][cell.seed], 1 if cell.arm.startswith("k1") else 4,
+                        "+if" in cell.arm)
         (run / "steps.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
         (run / "bench_meta.json").write_text(json.dumps(
             {"code": "abc1234", "wall_s": 1.0, "loadavg_1m_before": 1.0,
@@ -77,12 +81,14 @@ def test_report_on_synthetic_runs_gives_each_arm_over_k1_the_bar_and_the_stalene
                               seeds=2)
     rep = learn_arms.build_report(BENCH, cells, tmp_path, args, steps=6)
     learning = rep["learning"]
-    assert learning["pairs"] == [["k4", "k1"], ["k4+if", "k1"]]
+    assert learning["pairs"] == [["k4", "k1"], ["k4+if", "k1"], ["k1+mis", "k1"],
+                                 ["k4+if+mis", "k1"]]
     assert learning["ratio_k4_over_k1"]["median"] == pytest.approx(9 / 8)
     assert learning["ratio_k4+if_over_k1"]["median"] == pytest.approx(10 / 8)
+    assert learning["ratio_k4+if+mis_over_k1"]["median"] == pytest.approx(9 / 8)
     arms = learning["arms"]
     assert arms["k4"]["steps_to_target"] == [5, 4]
-    assert [arms[a]["bar_met_count"] for a in ("k1", "k4", "k4+if")] == [2, 1, 0]
+    assert [arms[a]["bar_met_count"] for a in BENCH.arms] == [2, 1, 0, 2, 1]
     assert arms["k1"]["staleness"] == {"batches": [2, 10]}
     assert arms["k4"]["staleness"] == {"batches": [2, 2, 2, 2, 4]}
     assert arms["k4+if"]["staleness"]["tokens"] == [0, 0, 0, 24, 72]
@@ -92,7 +98,7 @@ def test_report_on_synthetic_runs_gives_each_arm_over_k1_the_bar_and_the_stalene
     assert "DA (1 trainer host, 1 rollout host)" in text
     assert "| k4 | 5, 4 | " in text
     assert "k4 / k1, summed steps to target over paired seeds: 1.125" in text
-    assert "seeds met: k1 2/2; k4 1/2; k4+if 0/2." in text
+    assert "seeds met: k1 2/2; k4 1/2; k4+if 0/2; k1+mis 2/2; k4+if+mis 1/2." in text
     assert "- k4: batches by staleness 0: 2 (16.7%), 1: 2 (16.7%)" in text
     assert ("- k4+if: batches by staleness 0: 2 (16.7%), 1: 2 (16.7%), 2: 2 (16.7%), "
             "3: 2 (16.7%), 4: 4 (33.3%); completion tokens by staleness 3: 24 (25.0%), "

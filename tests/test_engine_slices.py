@@ -231,19 +231,24 @@ def test_the_maxtext_engine_slices_to_generates_samples():
 @pytest.mark.skipif(len(jax.devices()) < 2, reason="needs two CPU devices")
 def test_two_replicas_slice_to_generates_samples():
     """Two replicas, each its own loop: groups are placed on the one with more room, and every
-    request keeps the key generate gives it."""
+    request keeps the key generate gives it, in slices of 4, until a group is whole (each
+    replica's slice ending on its own groups) and the same on a clock."""
     engine = tiny_engine(devices=2, max_batch_size=8, num_pages=20)
     assert engine.num_replicas == 2
     want = engine.generate(PROMPTS, SAMPLE, seed=4)
-    with engine.session(SAMPLE, **CAPACITY) as session:
-        session.join(PROMPTS, seed=4, group_size=GROUP)
-        got = {}
-        while session.unfinished:
-            got.update(session.step(4))
-        assert all(stats["iterations"] > 0 for stats in session.last_stats)
-    for i, completion in enumerate(want):
-        assert got[i].tokens.tolist() == completion.tokens.tolist(), i
-        np.testing.assert_allclose(got[i].logprobs, completion.logprobs, atol=1e-6)
+    for step in ({"max_iterations": 4}, {"until_group": True},
+                 {"until_group": True, "time_budget_s": 1e-3}):
+        with engine.session(SAMPLE, **CAPACITY) as session:
+            session.join(PROMPTS, seed=4, group_size=GROUP)
+            got = {}
+            while session.unfinished:
+                out = session.step(**step)
+                assert out or "until_group" not in step or "time_budget_s" in step
+                got.update(out)
+            assert all(stats["iterations"] > 0 for stats in session.last_stats)
+        for i, completion in enumerate(want):
+            assert got[i].tokens.tolist() == completion.tokens.tolist(), (step, i)
+            np.testing.assert_allclose(got[i].logprobs, completion.logprobs, atol=1e-6)
 
 
 def test_timed_steps_pipeline_slices_and_give_generates_samples(engine, reference):

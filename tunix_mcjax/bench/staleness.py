@@ -14,10 +14,13 @@ hosts and a rollout host, so 2 hosts is its smallest split):
          rollout host loads the next version after a batch's first decode iteration, so its
          later tokens are fresher (the demo's completions are 2 tokens: at the default 16
          iterations no version would land mid-batch, and the arm would be k4's)
+  k1+mis, k4+if+mis  k1 and k4+if with rollout_rs=token beside TIS (MIS: a token whose
+         trainer / rollout ratio leaves [0.5, 2] gets no policy gradient), for the late
+         gradient spikes that k1 and k4+if fell back with
 Reported as bench.learn_arms reports an arm table: per arm, steps to --target (seed median
 [95% seed bootstrap]), seeds reached, final accuracy, the demo's bar met per seed, the
-staleness of the batches (and, in-flight, of the tokens) as the runs record it; the k4 / k1
-and k4+if / k1 ratios of summed steps over paired seeds. Outputs under --out:
+staleness of the batches (and, in-flight, of the tokens) as the runs record it; each other
+arm's ratio over k1 of summed steps over paired seeds. Outputs under --out:
 runs/<cell>/steps.jsonl and bench_meta.json, logs/, report.json, report.md.
 """
 
@@ -32,7 +35,10 @@ BENCH = learn_arms.Bench(
     "Learning at staleness k under DA", "mcjax_da",
     {BASE: ("off_policy_steps=1",), "k4": ("off_policy_steps=4",),
      "k4+if": ("off_policy_steps=4", "in_flight_weight_updates=true",
-               "in_flight_update_iterations=1")},
+               "in_flight_update_iterations=1"),
+     "k1+mis": ("off_policy_steps=1", "rollout_rs=token"),
+     "k4+if+mis": ("off_policy_steps=4", "in_flight_weight_updates=true",
+                   "in_flight_update_iterations=1", "rollout_rs=token")},
     Path("bench_results/staleness/learn"))
 
 
