@@ -65,8 +65,9 @@ def _records(accuracy: list[float], k: int, in_flight: bool) -> list[dict]:
 def test_report_on_synthetic_runs_gives_each_arm_over_k1_the_bar_and_the_staleness(tmp_path):
     fast = [0.0, 0.5, 1.0, 1.0, 1.0, 1.0]  # 2-step trailing mean reaches 0.9 at step 4
     slow = [0.0, 0.0, 0.5, 1.0, 1.0, 0.8]  # ... at step 5, ends at 0.9 (< the bar)
+    never = [0.0, 0.0, 0.5, 0.5, 0.5, 0.5]  # never: charged at the budget (censored)
     accuracy = {"k1": (fast, fast), "k4": (slow, fast), "k4+if": (slow, slow),
-                "k1+mis": (fast, fast), "k4+if+mis": (fast, slow)}
+                "k1+mis": (fast, never), "k4+if+mis": (fast, slow)}
     cells = learn_arms.plan(BENCH, 2, hosts=2, devices_per_host=2)
     for cell in cells:
         run = tmp_path / "runs" / cell.name
@@ -88,7 +89,7 @@ def test_report_on_synthetic_runs_gives_each_arm_over_k1_the_bar_and_the_stalene
     assert learning["ratio_k4+if+mis_over_k1"]["median"] == pytest.approx(9 / 8)
     arms = learning["arms"]
     assert arms["k4"]["steps_to_target"] == [5, 4]
-    assert [arms[a]["bar_met_count"] for a in BENCH.arms] == [2, 1, 0, 2, 1]
+    assert [arms[a]["bar_met_count"] for a in BENCH.arms] == [2, 1, 0, 1, 1]
     assert arms["k1"]["staleness"] == {"batches": [2, 10]}
     assert arms["k4"]["staleness"] == {"batches": [2, 2, 2, 2, 4]}
     assert arms["k4+if"]["staleness"]["tokens"] == [0, 0, 0, 24, 72]
@@ -98,7 +99,9 @@ def test_report_on_synthetic_runs_gives_each_arm_over_k1_the_bar_and_the_stalene
     assert "DA (1 trainer host, 1 rollout host)" in text
     assert "| k4 | 5, 4 | " in text
     assert "k4 / k1, summed steps to target over paired seeds: 1.125" in text
-    assert "seeds met: k1 2/2; k4 1/2; k4+if 0/2; k1+mis 2/2; k4+if+mis 1/2." in text
+    ratios = [line for line in text.splitlines() if "summed steps to target" in line]
+    assert [line.endswith("(censored).") for line in ratios] == [False, False, True, False]
+    assert "seeds met: k1 2/2; k4 1/2; k4+if 0/2; k1+mis 1/2; k4+if+mis 1/2." in text
     assert "- k4: batches by staleness 0: 2 (16.7%), 1: 2 (16.7%)" in text
     assert ("- k4+if: batches by staleness 0: 2 (16.7%), 1: 2 (16.7%), 2: 2 (16.7%), "
             "3: 2 (16.7%), 4: 4 (33.3%); completion tokens by staleness 3: 24 (25.0%), "

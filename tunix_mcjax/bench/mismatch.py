@@ -393,10 +393,12 @@ def learning_markdown(summary: dict, marks: Sequence[int] = (10, 25, 50, 75, 100
         lines.append(f"| {arm} | {per_seed} | {_ci(a['steps_to_target_median'], '.0f')} "
                      f"| {a['reached']}/{len(a['seeds'])} | {a['final_accuracy_median']:.3f} "
                      f"| {a['final_reward_median']:.3f} | {loads} |")
-    censored = " (censored)" if summary["censored"] else ""
+    arms = summary["arms"]
     for num, den in summary["pairs"]:
+        censored = any(arms[a]["reached"] < len(arms[a]["seeds"]) for a in (num, den))
         lines += ["", f"{num} / {den}, summed steps to target over paired seeds: "
-                  f"{_ci(summary[f'ratio_{num}_over_{den}'], '.3f')}{censored}."]
+                  f"{_ci(summary[f'ratio_{num}_over_{den}'], '.3f')}"
+                  f"{' (censored)' if censored else ''}."]
     lines += ["", f"Accuracy ({w}-step trailing mean), seed median [95% seed bootstrap] at step:",
               "", f"| {label} | " + " | ".join(str(s) for s in marks) + " |",
               "|---" * (len(marks) + 1) + "|"]
