@@ -249,6 +249,16 @@ def test_two_replicas_slice_to_generates_samples():
         for i, completion in enumerate(want):
             assert got[i].tokens.tolist() == completion.tokens.tolist(), (step, i)
             np.testing.assert_allclose(got[i].logprobs, completion.logprobs, atol=1e-6)
+    # 36 groups of one over two replicas of 32 request slots: each replica's slice is told its
+    # own groups, numbered below its slot count (the program counts no group past it).
+    with engine.session(SAMPLE, **(CAPACITY | {"max_prompts": len(PROMPTS)})) as session:
+        session.join(PROMPTS, seed=4)
+        tables, advance = [], session._programs.advance
+        session._programs.advance = lambda *args: tables.append(args[-1]) or advance(*args)
+        while session.unfinished:
+            assert session.step(until_group=True)
+    assert max(int(t.max()) for t in tables) < session.shape.num_requests
+    assert max(np.count_nonzero(t >= 0) for t in tables) > 1
 
 
 def test_timed_steps_pipeline_slices_and_give_generates_samples(engine, reference):

@@ -389,10 +389,10 @@ class DecodeSession:
             if rep.done.all():
                 continue
             groups = np.full((self.shape.num_requests,), -1, np.int32)
-            if until_group:
-                for g, group in enumerate(self._groups):
-                    if group.replica == index:
-                        groups[list(group.slots)] = g
+            if until_group:  # numbered on the replica: fewer than its request slots
+                mine = [g for g in self._groups if g.replica == index]
+                for g, group in enumerate(mine):
+                    groups[list(group.slots)] = g
             rep.state, outputs, done = self._programs.advance(
                 rep.mesh_index, rep.state, rep.inputs, np.int32(max_iterations), groups)
             launched.append(_Slice(rep, outputs, done, rep.slot_request.copy(),
