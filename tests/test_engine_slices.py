@@ -103,34 +103,30 @@ def test_groups_come_back_whole_and_as_soon_as_they_are_whole(engine):
     assert first < last  # an early group came back before the slowest one
 
 
-def group_timeline(engine, **step) -> list[tuple[list[int], int]]:
+def group_timeline(engine, **step) -> tuple[list[tuple[list[int], int]], dict, int]:
     """PROMPTS in one session stepped with `step`'s arguments: per call that returned groups,
-    (the request ids, the loop's iterations when the slice it read ended)."""
-    timeline = []
+    (the request ids, the loop's iterations when the slice it read ended); the completions by
+    request id; and the number of calls."""
+    timeline, got, calls = [], {}, 0
     with engine.session(SAMPLE, **CAPACITY) as session:
         session.join(PROMPTS, seed=3, group_size=GROUP)
         while session.unfinished:
-            if out := session.step(**step):
+            out = session.step(**step)
+            calls += 1
+            if out:
                 timeline.append((sorted(out), session.last_stats[0]["iterations"]))
-    return timeline
+            got.update(out)
+    return timeline, got, calls
 
 
 def test_until_group_slices_end_as_a_group_becomes_whole(engine, reference):
     """`step(until_group=True)` returns each group at the iteration it became whole (as slices
     of one iteration find it), pipelined, and only then: no call comes back empty."""
     want, stats = reference
-    every_iteration = group_timeline(engine, max_iterations=1)
+    every_iteration = group_timeline(engine, max_iterations=1)[0]
     programs = engine.compile_count
-    calls = 0
-    with engine.session(SAMPLE, **CAPACITY) as session:
-        session.join(PROMPTS, seed=3, group_size=GROUP)
-        got, timeline = {}, []
-        while session.unfinished:
-            out = session.step(until_group=True)
-            calls += 1
-            assert out, "an until_group step came back with no group"
-            timeline.append((sorted(out), session.last_stats[0]["iterations"]))
-            got.update(out)
+    timeline, got, calls = group_timeline(engine, until_group=True)
+    assert calls == len(timeline), "an until_group step came back with no group"
     assert timeline == every_iteration
     assert calls == len(every_iteration) < len(GROUPS)  # some groups end together
     assert engine.compile_count == programs  # the same advance program

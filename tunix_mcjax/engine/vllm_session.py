@@ -110,7 +110,7 @@ class VllmSession:
             steps += 1
             if deadline is not None and time.monotonic() >= deadline:
                 break
-            if until_group and any(all(i in self._done for i in g) for g in self._groups):
+            if until_group and any(map(self._is_whole, self._groups)):
                 break
         return self._whole_groups()
 
@@ -119,8 +119,11 @@ class VllmSession:
         completions = self.engine.completions(output, len(ids), self.sampling)
         self._done.update(zip(ids, completions, strict=True))
 
+    def _is_whole(self, group: tuple[int, ...]) -> bool:
+        return all(i in self._done for i in group)
+
     def _whole_groups(self) -> dict[int, Completion]:
-        whole = [g for g in self._groups if all(i in self._done for i in g)]
+        whole = [g for g in self._groups if self._is_whole(g)]
         self._groups = [g for g in self._groups if g not in whole]
         return {i: self._done.pop(i) for g in whole for i in g}
 
