@@ -2,6 +2,7 @@
 
 Skipped where vllm is not installed (the default venv)."""
 
+import dataclasses
 import importlib.util
 
 import pytest
@@ -183,6 +184,18 @@ def test_a_session_gives_generates_samples_for_the_same_seeds(engine):
             assert got[ids[i]].finish_reason == completion.finish_reason
     assert slices[1, None] == slices[None, 1e-9] == MAX_NEW  # a step a token, prefill with it
     assert slices[3, None] == -(-MAX_NEW // 3) and slices[None, None] == 1
+    # With stop tokens, groups end at different steps: until_group returns at each step
+    # that completes one, as steps of one find them.
+    stopping = dataclasses.replace(sampling, stop_token_ids=tuple(range(VOCAB - 12, VOCAB)))
+    returning = {}
+    for bound in ((1, None), (None, None, True)):
+        with engine.session(stopping, max_requests=len(PROMPTS)) as session:
+            session.join(PROMPTS, seed=5, group_size=groups)
+            returning[bound] = []
+            while session.unfinished:
+                returning[bound].append(sorted(session.step(*bound)))
+    assert [r for r in returning[1, None] if r] == returning[None, None, True]
+    assert len(returning[None, None, True]) > 1
     late = engine.generate(PROMPTS[3:], sampling, seed=9)
     with engine.session(sampling, max_requests=len(PROMPTS)) as session:
         session.join(PROMPTS[:3], seed=5, group_size=[2, 1])
