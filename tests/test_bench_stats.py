@@ -162,3 +162,28 @@ def test_seed_bootstrap_ratio_matches_a_numpy_reference():
     want = (num.sum() / den.sum(), *np.percentile(ratios, [2.5, 97.5]))
     got = stats.seed_bootstrap_ratio(num, den, resamples=3000, seed=2)
     np.testing.assert_allclose(got.as_tuple(), want)
+
+
+def _medians_drawn_one_resample_at_a_time(launches, block, resamples, rng):
+    """The bootstrap as written before its medians were batched: the committed results'
+    intervals came from these draws."""
+    out = np.empty(resamples)
+    for r in range(resamples):
+        drawn = []
+        for j in rng.integers(0, len(launches), size=len(launches)):
+            x = launches[j]
+            starts = rng.integers(0, x.size, size=-(-x.size // block))
+            drawn.append(x[(starts[:, None] + np.arange(block)) % x.size].ravel()[:x.size])
+        out[r] = np.median(np.concatenate(drawn))
+    return out
+
+
+@pytest.mark.parametrize("sizes,block", [((60,), 5), ((11,), 3), ((7,), 7),
+                                         ((60, 57, 3), 5), ((20, 20), 1)])
+def test_block_medians_draw_as_one_resample_at_a_time(sizes, block):
+    data = np.random.default_rng(1)
+    launches = [data.random(n) for n in sizes]
+    want = _medians_drawn_one_resample_at_a_time(launches, block, 500,
+                                                 np.random.default_rng(4))
+    got = stats.resampled_medians(launches, block, 500, np.random.default_rng(4))
+    np.testing.assert_array_equal(got, want)

@@ -72,7 +72,7 @@ def step_median(values: Sequence[float], *, block: int = stats.BLOCK_STEPS,
     if resamples < 1 or block < 1 or not 0 < confidence < 1:
         raise ValueError("need resamples >= 1, block >= 1 and 0 < confidence < 1")
     rng = np.random.default_rng(seed)
-    draws = stats._resampled_medians([x], min(block, x.size), resamples, rng)
+    draws = stats.resampled_medians([x], min(block, x.size), resamples, rng)
     return _interval(draws, float(np.median(x)), confidence)
 
 

@@ -49,20 +49,44 @@ def _values(name: str, x: Sequence[float]) -> np.ndarray:
     return arr
 
 
-def _resampled_medians(launches: list[np.ndarray], block: int, resamples: int,
-                       rng: np.random.Generator) -> np.ndarray:
+def resampled_medians(launches: list[np.ndarray], block: int, resamples: int,
+                      rng: np.random.Generator) -> np.ndarray:
+    """`resamples` bootstrap medians of the pooled launches: launches drawn with replacement,
+    then circular blocks of `block` steps in each drawn launch (one launch and blocks of one:
+    steps drawn independently). Each resample draws in the same order it always has, so a seed
+    gives the committed results' intervals; the medians are taken in one pass after."""
     if len(launches) == 1 and block == 1:
         x = launches[0]
         idx = rng.integers(0, x.size, size=(resamples, x.size))
         return np.median(x[idx], axis=1)
-    out = np.empty(resamples)
-    for r in range(resamples):
+    if len(launches) == 1:
+        # Drawing the one launch takes no random bits, and one call of shape (resamples, m)
+        # draws what `resamples` calls of m would (tests/test_bench_stats.py checks both).
+        x = launches[0]
+        starts = rng.integers(0, x.size, size=(resamples, -(-x.size // block)))
+        idx = (starts[:, :, None] + np.arange(block)) % x.size
+        return np.median(x[idx.reshape(resamples, -1)[:, :x.size]], axis=1)
+    pooled = np.concatenate(launches)
+    offsets = np.cumsum([0] + [x.size for x in launches[:-1]])
+    steps = np.arange(block)
+    rows = []
+    for _ in range(resamples):
         drawn = []
         for j in rng.integers(0, len(launches), size=len(launches)):
-            x = launches[j]
-            starts = rng.integers(0, x.size, size=-(-x.size // block))
-            drawn.append(x[(starts[:, None] + np.arange(block)) % x.size].ravel()[:x.size])
-        out[r] = np.median(np.concatenate(drawn))
+            n = launches[j].size
+            starts = rng.integers(0, n, size=-(-n // block))
+            drawn.append(offsets[j] + ((starts[:, None] + steps) % n).ravel()[:n])
+        rows.append(np.concatenate(drawn))
+    return _row_medians(pooled, rows)
+
+
+def _row_medians(pooled: np.ndarray, rows: list[np.ndarray]) -> np.ndarray:
+    """The median of `pooled[row]` for each row, rows of one length in one pass."""
+    sizes = np.array([row.size for row in rows])
+    out = np.empty(len(rows))
+    for size in np.unique(sizes):
+        pick = np.flatnonzero(sizes == size)
+        out[pick] = np.median(pooled[np.stack([rows[i] for i in pick])], axis=1)
     return out
 
 
@@ -87,8 +111,8 @@ def launch_bootstrap_ratio(
     if resamples < 1 or not 0 < confidence < 1 or block < 1:
         raise ValueError("need resamples >= 1, 0 < confidence < 1 and block >= 1")
     rng = np.random.default_rng(seed)
-    ratios = (_resampled_medians(num, block, resamples, rng)
-              / _resampled_medians(den, block, resamples, rng))
+    ratios = (resampled_medians(num, block, resamples, rng)
+              / resampled_medians(den, block, resamples, rng))
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(ratios, [tail, 100 - tail])
     point = np.median(np.concatenate(num)) / np.median(np.concatenate(den))
@@ -116,7 +140,7 @@ def bootstrap_median(values: Sequence[float], *, resamples: int = RESAMPLES,
     x = _values("values", values)
     if resamples < 1 or not 0 < confidence < 1:
         raise ValueError("need resamples >= 1 and 0 < confidence < 1")
-    medians = _resampled_medians([x], 1, resamples, np.random.default_rng(seed))
+    medians = resampled_medians([x], 1, resamples, np.random.default_rng(seed))
     tail = (1 - confidence) / 2 * 100
     low, high = np.percentile(medians, [tail, 100 - tail])
     return Interval(float(np.median(x)), float(low), float(high))
