@@ -214,20 +214,22 @@ def test_hf_layouts_equal_the_checkpoint_exporter_and_untied_head_maps():
         hf_qwen3.check_complete([*flat, ("layers", "0", "extra")], mc)
 
 
-def sessions_of(calls):
-    """The engine calls of each session of the scenario, in order: a session's are those from
-    its first add_request (request ids `tunix-session-<k>-<r>`) to the next session's."""
+def sessions_of(entries, call=lambda entry: entry):
+    """The engine calls (`entries`, each holding its `call`) of each session of the scenario,
+    in order: a session's are those from its first add_request (request ids
+    `tunix-session-<k>-<r>`) to the next session's."""
     sessions: dict[str, list] = {}
-    for call in calls:
-        if call[0] == "add_request":
-            current = sessions.setdefault(call[1].rsplit("-", 1)[0], [])
-        if call[0] in ("add_request", "step", "abort_request"):
-            current.append(call)
+    for entry in entries:
+        name, *args = call(entry)
+        if name == "add_request":
+            current = sessions.setdefault(args[0].rsplit("-", 1)[0], [])
+        if name in ("add_request", "step", "abort_request"):
+            current.append(entry)
     return list(sessions.values())
 
 
 def test_a_session_adds_generates_requests_with_final_outputs(cpu):
-    first, second, third = sessions_of(cpu["calls"])
+    first, second, third, _ = sessions_of(cpu["calls"])
     gens = generate_calls(cpu["calls"])
     adds = [c for s in (first, second, third) for c in s if c[0] == "add_request"]
     assert all(kind == "FINAL_ONLY" for *_, kind in adds)  # as LLM.generate sends them
@@ -246,18 +248,19 @@ def test_a_session_adds_generates_requests_with_final_outputs(cpu):
 
 def test_a_sessions_samples_are_generates(cpu):
     results = cpu["results"]
-    for name in ("session_sampled", "session_greedy_joined"):
+    for name in ("session_sampled", "session_greedy_joined", "session_until_group"):
         assert results[name] == RECORDED["results"][name]  # as the real engine returned them
     # Real vLLM gave the session generate's samples (the recording), mapped back in order.
     assert results["session_sampled"] == results["sampled"]
     assert results["greedy_after_abort"] == results["greedy"]  # the abort left nothing behind
-    for got, want in zip(results["session_greedy_joined"], results["greedy"], strict=True):
+    for got, want in zip(results["session_greedy_joined"] + results["session_until_group"],
+                         results["greedy"] * 2, strict=True):
         assert got["tokens"] == want["tokens"] and got["finish_reason"] == want["finish_reason"]
         assert got["logprobs"] == pytest.approx(want["logprobs"], abs=1e-5)  # another batch
 
 
 def test_session_groups_come_back_whole_within_the_bound(cpu):
-    first, second, _ = sessions_of(cpu["calls"])
+    first, second, *_ = sessions_of(cpu["calls"])
     for calls, key, slice_steps, groups in (
             (first, "session_sampled_steps", 2, [[0, 1, 2], [3], [4, 5]]),
             (second, "session_greedy_steps", 1, [[0, 1, 2], [3], [4], [5]])):
@@ -272,8 +275,29 @@ def test_session_groups_come_back_whole_within_the_bound(cpu):
     assert [len(c["tokens"]) for c in cpu["results"]["session_greedy_joined"]] == [3] * 3 + [6] * 3
 
 
+def test_until_group_returns_at_each_engine_step_that_makes_a_group_whole(cpu):
+    """From the recorded engine steps: each `step(until_group=True)` returns at the first vLLM
+    step that finishes a group's last request, with exactly the groups whole by then."""
+    *_, fourth = sessions_of(RECORDED["session_calls"], call=lambda entry: entry["call"])
+    ids, start = {}, 0  # a vLLM request of n samples holds the next n session ids
+    for entry in fourth:
+        if entry["call"][0] == "add_request":
+            n = entry["call"][3]["n"]
+            ids[entry["call"][1]] = range(start, start + n)
+            start += n
+    groups, done, want = [{0, 1, 2}, {3}, {4, 5}], set(), []
+    for entry in (e for e in fourth if e["call"] == ["step"]):
+        finished = {i for o in entry["outputs"] if o["finished"] for i in ids[o["request_id"]]}
+        whole = [i for g in groups if g <= done | finished and not g <= done for i in g]
+        done |= finished
+        if whole:
+            want.append(sorted(whole))
+    assert want == [[0, 1, 2], [3, 4, 5]]  # the groups end apart (EOS at the third token)
+    assert cpu["results"]["session_until_group_steps"] == want
+
+
 def test_a_closed_session_aborts_what_is_left_and_refuses_by_name(cpu):
-    first, second, third = sessions_of(cpu["calls"])
+    first, second, third, _ = sessions_of(cpu["calls"])
     assert not any(c[0] == "abort_request" for c in first + second)  # nothing was left
     in_flight = [c[1] for c in third if c[0] == "add_request"]
     assert third[-1] == ["abort_request", in_flight, False] and third[-2] == ["step"]
