@@ -20,8 +20,8 @@ def test_plan_pairs_k1_k4_and_in_flight_seed_by_seed_on_one_trainer_and_one_roll
     cells = learn_arms.plan(BENCH, 2, hosts=2, devices_per_host=2)
     assert [c.name for c in cells] == [
         f"demo-{arm}-da-tistoken-s{s}" for s in (0, 1)
-        for arm in ("k1", "k4", "k4-if", "k1-mis", "k4-if-mis")]
-    k1, k4, k4if, k1mis, k4ifmis = cells[:5]
+        for arm in ("k1", "k4", "k4-if", "k1-mis", "k4-if-mis", "k1-halflr")]
+    k1, k4, k4if, k1mis, k4ifmis, k1half = cells[:6]
     assert k1.arm == staleness.BASE == BENCH.base
     assert "rl_runtime=mcjax_da" in k1.overrides() and "seed=0" in k1.overrides()
     assert k4.overrides() == [*k1.overrides()[:-1], "off_policy_steps=4"]
@@ -29,14 +29,16 @@ def test_plan_pairs_k1_k4_and_in_flight_seed_by_seed_on_one_trainer_and_one_roll
                                      "in_flight_update_iterations=1"]
     assert k1mis.overrides() == [*k1.overrides(), "rollout_rs=token"]
     assert k4ifmis.overrides() == [*k4if.overrides(), "rollout_rs=token"]
-    for cell in cells[:5]:
+    assert k1half.overrides() == [*k1.overrides(), "learning_rate=0.0015"]
+    for cell in cells[:6]:
         assert mismatch.config_refusal(cell, ["steps=150"]) == ""
         cfg = load_config(mismatch.DEMO, cell.overrides())
         assert (cfg.rl_runtime, cfg.sampler_is, cfg.rollout_weight_dtype) == (
             "mcjax_da", "token", "bfloat16")
         assert learn_arms.da_split(cell) == (1, 1)
     assert (load_config(mismatch.DEMO, k4.overrides()).off_policy_steps,
-            load_config(mismatch.DEMO, k4if.overrides()).in_flight_weight_updates) == (4, True)
+            load_config(mismatch.DEMO, k4if.overrides()).in_flight_weight_updates,
+            load_config(mismatch.DEMO, k1half.overrides()).learning_rate) == (4, True, 0.0015)
     assert [c.name for c in learn_arms.plan(BENCH, 1, 2, 2, ["k4"])] == ["demo-k4-da-tistoken-s0"]
 
 
@@ -67,7 +69,7 @@ def test_report_on_synthetic_runs_gives_each_arm_over_k1_the_bar_and_the_stalene
     slow = [0.0, 0.0, 0.5, 1.0, 1.0, 0.8]  # ... at step 5, ends at 0.9 (< the bar)
     never = [0.0, 0.0, 0.5, 0.5, 0.5, 0.5]  # never: charged at the budget (censored)
     accuracy = {"k1": (fast, fast), "k4": (slow, fast), "k4+if": (slow, slow),
-                "k1+mis": (fast, never), "k4+if+mis": (fast, slow)}
+                "k1+mis": (fast, never), "k4+if+mis": (fast, slow), "k1+halflr": (slow, fast)}
     cells = learn_arms.plan(BENCH, 2, hosts=2, devices_per_host=2)
     for cell in cells:
         run = tmp_path / "runs" / cell.name
@@ -83,13 +85,13 @@ def test_report_on_synthetic_runs_gives_each_arm_over_k1_the_bar_and_the_stalene
     rep = learn_arms.build_report(BENCH, cells, tmp_path, args, steps=6)
     learning = rep["learning"]
     assert learning["pairs"] == [["k4", "k1"], ["k4+if", "k1"], ["k1+mis", "k1"],
-                                 ["k4+if+mis", "k1"]]
+                                 ["k4+if+mis", "k1"], ["k1+halflr", "k1"]]
     assert learning["ratio_k4_over_k1"]["median"] == pytest.approx(9 / 8)
     assert learning["ratio_k4+if_over_k1"]["median"] == pytest.approx(10 / 8)
     assert learning["ratio_k4+if+mis_over_k1"]["median"] == pytest.approx(9 / 8)
     arms = learning["arms"]
     assert arms["k4"]["steps_to_target"] == [5, 4]
-    assert [arms[a]["bar_met_count"] for a in BENCH.arms] == [2, 1, 0, 1, 1]
+    assert [arms[a]["bar_met_count"] for a in BENCH.arms] == [2, 1, 0, 1, 1, 1]
     assert arms["k1"]["staleness"] == {"batches": [2, 10]}
     assert arms["k4"]["staleness"] == {"batches": [2, 2, 2, 2, 4]}
     assert arms["k4+if"]["staleness"]["tokens"] == [0, 0, 0, 24, 72]
@@ -100,8 +102,10 @@ def test_report_on_synthetic_runs_gives_each_arm_over_k1_the_bar_and_the_stalene
     assert "| k4 | 5, 4 | " in text
     assert "k4 / k1, summed steps to target over paired seeds: 1.125" in text
     ratios = [line for line in text.splitlines() if "summed steps to target" in line]
-    assert [line.endswith("(censored).") for line in ratios] == [False, False, True, False]
-    assert "seeds met: k1 2/2; k4 1/2; k4+if 0/2; k1+mis 1/2; k4+if+mis 1/2." in text
+    assert [line.endswith("(censored).") for line in ratios] == [False, False, True, False,
+                                                                 False]
+    assert ("seeds met: k1 2/2; k4 1/2; k4+if 0/2; k1+mis 1/2; k4+if+mis 1/2; "
+            "k1+halflr 1/2.") in text
     assert "- k4: batches by staleness 0: 2 (16.7%), 1: 2 (16.7%)" in text
     assert ("- k4+if: batches by staleness 0: 2 (16.7%), 1: 2 (16.7%), 2: 2 (16.7%), "
             "3: 2 (16.7%), 4: 4 (33.3%); completion tokens by staleness 3: 24 (25.0%), "

@@ -17,6 +17,8 @@ hosts and a rollout host, so 2 hosts is its smallest split):
   k1+mis, k4+if+mis  k1 and k4+if with rollout_rs=token beside TIS (MIS: a token whose
          trainer / rollout ratio leaves [0.5, 2] gets no policy gradient), for the late
          gradient spikes that k1 and k4+if fell back with
+  k1+halflr  k1 at half the demo's learning rate (0.0015): whether k1's late falls come from
+         a step too large for updates one version stale
 Reported as bench.learn_arms reports an arm table: per arm, steps to --target (seed median
 [95% seed bootstrap]), seeds reached, final accuracy, the demo's bar met per seed, the
 staleness of the batches (and, in-flight, of the tokens) as the runs record it; each other
@@ -38,7 +40,8 @@ BENCH = learn_arms.Bench(
                "in_flight_update_iterations=1"),
      "k1+mis": ("off_policy_steps=1", "rollout_rs=token"),
      "k4+if+mis": ("off_policy_steps=4", "in_flight_weight_updates=true",
-                   "in_flight_update_iterations=1", "rollout_rs=token")},
+                   "in_flight_update_iterations=1", "rollout_rs=token"),
+     "k1+halflr": ("off_policy_steps=1", "learning_rate=0.0015")},
     Path("bench_results/staleness/learn"))
 
 
