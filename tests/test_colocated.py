@@ -106,7 +106,7 @@ def test_gradient_equals_tunix(mcjax_updates, case):
                                    err_msg=key)
 
 
-@pytest.mark.parametrize("case", ["seq-b0-t1", "tok-b01-t07"])
+@pytest.mark.parametrize("case", ["seq-b0-t1", "seq-b01-t07"])
 def test_mismatch_is_global_over_hosts(mcjax_updates, case):
     """The mismatch the step reports over 4 devices of 2 hosts equals NumPy's over the whole
     batch, from Tunix's logprobs at the step's starting weights (tests/test_mismatch.py)."""

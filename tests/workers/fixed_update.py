@@ -28,24 +28,22 @@ from tunix_mcjax.train.trainer import Trainer, qwen3_policy
 VOCAB = 40
 LR = 1e6  # large, so the applied step dwarfs the params and (initial - final) keeps precision
 
-# Pairwise cover of loss_agg_mode x grpo_beta x temperature, plus gspo-token (on-policy GRPO).
+# loss_agg_mode x grpo_beta x temperature, two levels each, in the 4 cases that hold every pair
+# of levels (an orthogonal array; the first is the recipes' default), plus gspo-token
+# (on-policy GRPO).
 CASES = {
     "seq-b0-t1": dict(loss_agg_mode="sequence-mean-token-mean", grpo_beta=0.0,
                       decode_sampling_temperature=1.0),
-    "tok-b0-t1": dict(loss_agg_mode="token-mean", grpo_beta=0.0,
-                      decode_sampling_temperature=1.0),
     "seq-b01-t07": dict(loss_agg_mode="sequence-mean-token-mean", grpo_beta=0.1,
                         decode_sampling_temperature=0.7),
-    "tok-b01-t07": dict(loss_agg_mode="token-mean", grpo_beta=0.1,
-                        decode_sampling_temperature=0.7),
-    "seq-b01-t1": dict(loss_agg_mode="sequence-mean-token-mean", grpo_beta=0.1,
-                       decode_sampling_temperature=1.0),
     "tok-b0-t07": dict(loss_agg_mode="token-mean", grpo_beta=0.0,
                        decode_sampling_temperature=0.7),
+    "tok-b01-t1": dict(loss_agg_mode="token-mean", grpo_beta=0.1,
+                       decode_sampling_temperature=1.0),
     "gspo-seq-b01": dict(loss_algo="gspo-token", loss_agg_mode="sequence-mean-token-mean",
                          grpo_beta=0.1, decode_sampling_temperature=1.0),
-    # As tok-b01-t07, on a mesh that interleaves the hosts along fsdp, as MaxText's TPU meshes
-    # do (INTERLEAVED).
+    # token-mean, beta 0.1, temperature 0.7 (the pairing the array leaves out), on a mesh that
+    # interleaves the hosts along fsdp, as MaxText's TPU meshes do (INTERLEAVED).
     "tok-b01-t07-interleaved": dict(loss_agg_mode="token-mean", grpo_beta=0.1,
                                     decode_sampling_temperature=0.7),
 }
