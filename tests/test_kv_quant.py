@@ -21,7 +21,7 @@ from tests.test_paged import (  # noqa: E402
     shared_prefix_case,
     split_layer,
 )
-from tunix_mcjax import config, models, plan  # noqa: E402
+from tunix_mcjax import config, engine_plan, models, plan  # noqa: E402
 from tunix_mcjax.activations import model_shape  # noqa: E402
 from tunix_mcjax.config import ConfigError  # noqa: E402
 from tunix_mcjax.engine import kv_quant, pages  # noqa: E402
@@ -232,8 +232,8 @@ def test_page_bytes_count_values_and_scales_and_the_pool_holds_about_twice_the_p
         mc = models.model_config(cfg, vocab_size=0, for_sampling=True)
         shape = model_shape(mc, 1)
         cluster = plan.Cluster(1, 1, 95 << 30, tpu=True)
-        quantized = plan.paged_shape(cfg, cluster, shape)
-        bf16_pages = plan.paged_shape(base, cluster, shape)
+        quantized = engine_plan.paged_shape(cfg, cluster, shape)
+        bf16_pages = engine_plan.paged_shape(base, cluster, shape)
         assert bf16_pages.page_bytes / quantized.page_bytes == pytest.approx(ratio)
 
 

@@ -4,12 +4,14 @@ paper's profiles on TPU v7x chips."""
 
 from __future__ import annotations
 
+import types
+
 import jax
 import numpy as np
 import pytest
 from flax import nnx
 
-from tunix_mcjax import activations, memory, models, plan, topology
+from tunix_mcjax import activations, engine_plan, memory, models, plan, topology
 from tunix_mcjax.bench.plan_tables import profile_config, v7x
 from tunix_mcjax.config import load_config
 from tunix_mcjax.engine.base import SamplingParams
@@ -353,7 +355,8 @@ def test_engine_program_scratch_matches_xla(caps):
     (program,) = engine._programs.values()
     analysis = program.memory_analysis()
     assert analysis.alias_size_in_bytes == p.items["KV page pool"]
-    assert plan.generate_scratch(p.items) == pytest.approx(analysis.temp_size_in_bytes, rel=0.15)
+    assert engine_plan.generate_scratch(p.items) == pytest.approx(analysis.temp_size_in_bytes,
+                                                                  rel=0.15)
 
 
 def test_cli_reports_fit_and_refuses_bad_topology(capsys):
@@ -425,3 +428,49 @@ def test_a_publish_leaf_by_leaf_counts_the_largest_layer_stack():
     largest = max(int(np.prod(x.shape)) for x in jax.tree.leaves(nnx.to_pure_dict(params)))
     m = plan.model_shape(mc, fsdp=1)
     assert m.largest_published_leaf == largest > m.largest_leaf
+
+
+AGENTIC = "recipes/cpu/demo_agentic.yml"
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_agentic_engine_is_planned_at_its_turns(keep):
+    """An agentic run's engine as the planner sizes it: its caps (a turn's context and tokens),
+    its pool, and the program of one host's decode call: a `generate` over a round's distinct
+    contexts, or the session the turn loop opens to keep pages (one prompt slot a conversation
+    and one a group's shared first prompt)."""
+    from tunix_mcjax.agentic import loop
+    from tunix_mcjax.runtime.engines import engine_options
+
+    cfg = load_config(AGENTIC, [f"agentic_keep_pages={str(keep).lower()}"])
+    hosts, vocab, device = 2, 48, jax.devices()[0]
+    p = plan.plan(cfg, plan.Cluster(hosts, 1, memory.device_memory_bytes(device, 1), cpu=True),
+                  models.model_config(cfg, vocab))
+    model = models.create_model(models.model_config(cfg, vocab), 0)
+    engine = JaxEngine(models.model_config(cfg, vocab, for_sampling=True), [device],
+                       engine_options(cfg, pad_id=0, eos_ids=(1,)))
+    engine.load_weights(nnx.to_pure_dict(nnx.state(model, nnx.Param)))
+    assert (p.engine.prompt_len, p.engine.max_new) == (31, 1)  # a context of up to 31 tokens
+    assert p.engine.pool_pages == engine.num_pages
+    rng = np.random.default_rng(0)
+    g, host_rows = cfg.num_generations, cfg.global_rows // hosts
+    sampling = SamplingParams(max_new_tokens=cfg.agentic_turn_tokens)
+    if keep:
+        first = [np.arange(2, 6)] * g  # a group's first contexts: equal
+        conversations = [types.SimpleNamespace(context=lambda c=c: c)
+                         for _ in range(host_rows // g) for c in first]
+        limits = loop.TurnLimits(cfg.max_target_length, cfg.agentic_turn_tokens, 1.0,
+                                 cfg.max_concurrency)
+        decoder = loop._open_decoder(engine, sampling, conversations, limits, keep_pages=True)
+        shape = decoder.session.shape
+        decoder.close()
+    else:
+        contexts = [rng.integers(2, vocab, 31) for _ in range(host_rows)]  # a later round's
+        engine.generate(contexts, sampling, seed=0)
+        ((_, shape, _),) = engine._programs
+    assert (p.engine.num_requests, p.engine.num_prompts, p.engine.num_slots,
+            p.engine.prompt_len, p.engine.chunk, p.engine.prefill_rows) == (
+        shape.num_requests, shape.num_prompts, shape.num_slots, shape.prompt_len, shape.chunk,
+        shape.prefill_rows)
+    assert p.items["prompt logits"] == shape.num_prompts * 4 * vocab
+    assert shape.num_prompts == (256 if keep else 128)  # 128 conversations (+ 8 groups)

@@ -15,7 +15,7 @@ from jax.sharding import Mesh, NamedSharding  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 from tests.test_engine import PAD, VOCAB, full_logits, params_of  # noqa: E402
-from tunix_mcjax import config, models, plan  # noqa: E402
+from tunix_mcjax import config, engine_plan, models  # noqa: E402
 from tunix_mcjax.activations import model_shape  # noqa: E402
 from tunix_mcjax.aot.programs import engine_params  # noqa: E402
 from tunix_mcjax.config import ConfigError  # noqa: E402
@@ -191,7 +191,7 @@ def test_qwen3_8b_int8_engine_weights_are_at_most_55_percent_of_bf16():
         cfg = config.load_config(None, ["model_name=qwen3-8b", "rollout_weight_dtype=bfloat16",
                                         f"quantization={mode}"])
         mc = models.model_config(cfg, vocab_size=0, for_sampling=True)
-        planned = plan.engine_weight_bytes(cfg, model_shape(mc, 1))
+        planned = engine_plan.engine_weight_bytes(cfg, model_shape(mc, 1))
         tree = engine_params(mc, mesh, mode)
         assert planned == sum(math.prod(x.shape) * x.dtype.itemsize
                               for x in jax.tree.leaves(tree))

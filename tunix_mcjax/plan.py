@@ -17,7 +17,8 @@ across steps and counts in every phase; the maxtext engine is paged the same way
 (gradients, the gathered replica when params are gathered once, saved activations and logits
 scratch) and publish (the replicated gather of the new weights). The pool is sized as the
 engine sizes it (`engine.pages`), and a plan that the engine would refuse (a pool that cannot
-hold one sequence at the caps) does not fit. On CPU, where a device's memory is the host's
+hold one sequence at the caps) does not fit. An agentic run's engine is planned at its turns
+(`Config.engine_prompt_length`, `replica_share`). On CPU, where a device's memory is the host's
 RAM, the host's own costs outside XLA's buffers are added too (`cpu_host_items`); on TPU
 (`--tpu`, the aot path's targets) the train step's activations are what XLA's TPU assignment
 keeps, elsewhere the fit to its CPU assignment (`activations.py`).
@@ -38,29 +39,18 @@ from tunix_mcjax.activations import (
     model_shape,
 )
 from tunix_mcjax.config import Config, ConfigError, load_config
-from tunix_mcjax.engine import pages, quantize
-from tunix_mcjax.engine.buckets import pow2_at_least, prompt_bucket
-from tunix_mcjax.engine.options import DEFAULT_MAX_NUM_BATCHED_TOKENS
+from tunix_mcjax.engine.buckets import pow2_at_least
+from tunix_mcjax.engine_plan import (
+    DTYPE_BYTES,
+    Cluster,
+    PagedShape,
+    engine_weight_dtype,
+    generate_scratch,
+    paged_engine_items,
+    paged_shape,
+)
 
 GIB = 2**30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
-
-
-@dataclasses.dataclass(frozen=True)
-class Cluster:
-    hosts: int
-    devices_per_host: int
-    device_bytes: int  # usable memory of one device (on CPU: the host's RAM / local devices)
-    cpu: bool = False  # devices are the host's CPU: the process's own RAM counts against them
-    tpu: bool = False  # TPU devices: XLA's TPU assignment of the train step (`TPU_SAVED_PER_UNIT`)
-
-    def __post_init__(self):
-        if self.cpu and self.tpu:
-            raise ValueError("Cluster: devices are either the host's CPU or TPUs, not both")
-
-    @property
-    def num_devices(self) -> int:
-        return self.hosts * self.devices_per_host
 
 
 # --- the trainer --------------------------------------------------------------------------
@@ -109,192 +99,6 @@ def train_layout(cfg: Config, cluster: Cluster, m: ModelShape) -> TrainLayout:
     n, per = memory.micro_batch_rows(
         k, memory.num_micro_batches(cfg.batch_size, cfg.train_micro_batch_size))
     return TrainLayout(gather, n, k, per)
-
-
-# --- the engine ---------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class PagedShape:
-    """One replica's paged engine (`rollout_engine=jax`) for a full share at the caps: the pool
-    it allocates, the program it compiles, and the pages that share needs."""
-
-    requests: int  # requests of the replica's share (of one wave without continuous batching)
-    distinct_prompts: int  # distinct prompts among them (each request its own without sharing)
-    num_requests: int  # N: requests, padded to a power of two
-    num_prompts: int  # U: distinct prompts, padded to a power of two
-    num_slots: int  # B: rows decoded at once
-    prompt_len: int  # the prompt bucket at the cap
-    max_new: int
-    page_size: int
-    page_bytes: int  # one page on one device
-    pool_pages: int
-    pool_limited_by_budget: bool  # False: capped at what every row at the caps could use
-    least_pages: int  # one sequence at the caps and its prompt (the engine refuses less)
-    chunk: int  # prefill tokens per row
-    prefill_rows: int  # prefill rows per loop iteration
-
-    @property
-    def prompt_pages(self) -> int:
-        return pages.cdiv(self.prompt_len, self.page_size)
-
-    @property
-    def private_pages(self) -> int:
-        """Pages a row owns at the caps: its table past the prompt's full pages."""
-        return pages.table_pages(self.prompt_len, self.max_new, self.page_size) \
-            - self.prompt_len // self.page_size
-
-    @property
-    def step_pages(self) -> int:
-        """Pages the share needs at the caps with group sharing, at most: every distinct prompt
-        resident, and every row at the caps on its private pages. More than the pool: the
-        loop preempts rows (and recomputes them), it does not fail."""
-        rows = min(self.num_slots, self.requests)
-        return self.distinct_prompts * self.prompt_pages + rows * self.private_pages
-
-    @property
-    def pool_holds_one_sequence(self) -> bool:
-        return self.pool_pages >= self.least_pages
-
-
-def share_prompts(requests: int, group: int) -> int:
-    """Distinct prompts in `requests` consecutive requests of groups of `group`, at most (a share
-    may start and end inside a group)."""
-    return -(-requests // group) + (requests % group != 0)
-
-
-def engine_replicas(cfg: Config, cluster: Cluster) -> int:
-    """Rollout replicas per host (`rollout_data_parallelism`; -1: as many as the devices hold)."""
-    if cfg.rollout_data_parallelism != -1:
-        return cfg.rollout_data_parallelism
-    return cluster.devices_per_host // cfg.rollout_tensor_parallelism
-
-
-def engine_weight_dtype(cfg: Config) -> str:
-    """The dtype of the engine's copy of the weights (`rollout_weight_dtype`, else the
-    trainer's `weight_dtype`)."""
-    return cfg.rollout_weight_dtype or cfg.weight_dtype
-
-
-def engine_weight_bytes(cfg: Config, m: ModelShape) -> int:
-    """The engine's copy of the weights on one device (tensor parallelism splits it); under
-    `quantization` the layers' projections and an untied lm head take a byte a value and a
-    float32 scale an output channel (`engine.quantize`)."""
-    itemsize = DTYPE_BYTES[engine_weight_dtype(cfg)]
-    total = m.param_count * itemsize
-    if cfg.quantization:
-        values, channels = quantize.quantized_sizes(m)
-        total -= values * (itemsize - quantize.VALUE_BYTES) - channels * quantize.SCALE_BYTES
-    return total // cfg.rollout_tensor_parallelism
-
-
-def paged_shape(cfg: Config, cluster: Cluster, m: ModelShape) -> PagedShape:
-    """The jax engine's pool and program for a replica's share, from its own arithmetic."""
-    page_size = cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE
-    one_page = pages.page_bytes(m.layers, m.kv_heads, m.head_dim, page_size,
-                                DTYPE_BYTES[cfg.dtype], cfg.rollout_tensor_parallelism,
-                                pages.kv_mode_of(cfg))
-    return paged_shape_of(cfg, cluster, one_page, engine_weight_bytes(cfg, m))
-
-
-def paged_shape_of(cfg: Config, cluster: Cluster, one_page: int,
-                   weight_bytes: int) -> PagedShape:
-    """A paged engine's pool and program for a replica's share, given the bytes of one page
-    and of the engine's weights on a device (the jax engine's from `paged_shape`; the maxtext
-    engine's from its model)."""
-    group = cfg.num_generations
-    page_size = cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE
-    batched = cfg.max_num_batched_tokens or DEFAULT_MAX_NUM_BATCHED_TOKENS
-    prompt_cap, max_new = cfg.max_prefill_predict_length, cfg.max_completion_length
-    lockstep = cfg.rl_runtime == "single"
-    requests = -(-cfg.global_rows // cluster.hosts // engine_replicas(cfg, cluster))
-    if not (cfg.rollout_continuous_batching or lockstep):
-        requests = min(requests, cfg.rollout_max_batch_size)  # the share runs in waves
-    distinct = share_prompts(requests, group) if cfg.enable_prefix_caching else requests
-    n, u = pow2_at_least(requests), pow2_at_least(distinct)
-    slots = n if lockstep else min(n, pow2_at_least(cfg.rollout_max_batch_size))
-    prompt_len = prompt_bucket(prompt_cap, prompt_cap)
-    needed = pages.pages_needed(pow2_at_least(cfg.rollout_max_batch_size), prompt_cap,
-                                max_new, page_size)
-    budget = int(cfg.hbm_utilization_vllm * cluster.device_bytes) - weight_bytes
-    pool = pages.pool_pages(budget, one_page, needed)
-    chunk, rows_per_budget = pages.prefill_chunk(prompt_len, batched)
-    return PagedShape(
-        requests=requests, distinct_prompts=distinct, num_requests=n, num_prompts=u,
-        num_slots=slots, prompt_len=prompt_len, max_new=max_new, page_size=page_size,
-        page_bytes=one_page, pool_pages=pool, pool_limited_by_budget=pool < needed,
-        least_pages=pages.least_pool_pages(prompt_cap, max_new, page_size), chunk=chunk,
-        prefill_rows=max(1, min(u, rows_per_budget)))
-
-
-# Attention over gathered pages (`paged_attention.SplitPages`, the CPU and GPU path), as XLA's
-# CPU buffer assignment lays it out for the engine's compiled program: each row's pages
-# gathered once, kv-head-major (already the keys and values, no split copy), and two [queries,
-# keys] buffers per head in the compute dtype (in bf16 the fp32 softmax over the scores; in
-# fp32 the scores and their exponentials). Checked against the program's memory analysis
-# (`tests/test_plan.py`). On TPU the Pallas kernel reads pages in place: upper bounds there.
-GATHER_COPIES = 1
-SCORE_COPIES = 2
-# fp32 [rows, vocab] copies a decode step makes: the logits and the sampler's sorted top-p.
-SAMPLER_LOGIT_COPIES = 4
-
-
-def attention_bytes(m: ModelShape, c: int, rows: int, queries: int, keys: int) -> int:
-    """One layer's attention over `keys` gathered positions for `rows` x `queries` (all heads;
-    tensor parallelism splits them)."""
-    gathered = GATHER_COPIES * rows * keys * 2 * m.kv_width * c
-    return gathered + SCORE_COPIES * rows * m.query_heads * queries * keys * c
-
-
-def layer_pass_bytes(m: ModelShape, c: int, rows: int, tokens: int, keys: int) -> int:
-    """Scratch of `rows` x `tokens` through one decoder layer: the larger of its attention
-    (hidden state, q, k, v and the attention above) and its MLP (hidden state, gate, up and
-    their product)."""
-    attend = rows * tokens * (m.embed + m.q_width + 2 * m.kv_width) * c \
-        + attention_bytes(m, c, rows, tokens, keys)
-    return max(attend, rows * tokens * (m.embed + 3 * m.mlp) * c)
-
-
-def paged_engine_items(cfg: Config, shape: PagedShape, m: ModelShape) -> dict[str, int]:
-    """Per device: the engine's weights and page pool (the pool freed after each rollout
-    unless kept: `plan`) and
-    what its generation program adds: one prefill chunk (R rows x C tokens through a layer,
-    attending to the prompt's pages), one decode step (B rows attending to their tables at the
-    caps, and the sampler's logits) and the prompts' last logits [U, V] fp32."""
-    tp, c = cfg.rollout_tensor_parallelism, DTYPE_BYTES[cfg.dtype]
-    prompt_keys = shape.prompt_pages * shape.page_size
-    table_keys = pages.table_pages(shape.prompt_len, shape.max_new, shape.page_size) \
-        * shape.page_size
-    prefill = layer_pass_bytes(m, c, shape.prefill_rows, shape.chunk, prompt_keys) // tp
-    decode = layer_pass_bytes(m, c, shape.num_slots, 1, table_keys) // tp
-    return {
-        "engine weights": engine_weight_bytes(cfg, m),
-        "KV page pool": shape.pool_pages * shape.page_bytes,
-        "prefill chunk scratch": prefill + shape.prefill_rows * 4 * m.vocab,
-        "decode scratch": decode + shape.num_slots * SAMPLER_LOGIT_COPIES * 4 * m.vocab,
-        "prompt logits": shape.num_prompts * 4 * m.vocab,
-        "engine weights cast": engine_cast_bytes(cfg, m) // tp,
-    }
-
-
-def engine_cast_bytes(cfg: Config, m: ModelShape) -> int:
-    """The engine's weights in the compute dtype a model call holds: all, when kept in another
-    dtype; under `quantization` the leaves kept whole so, and the larger of one layer's
-    projections (dequantized in the layer scan) and an untied head's (TPU fuses: a bound)."""
-    c, whole = DTYPE_BYTES[cfg.dtype], engine_weight_dtype(cfg) != cfg.dtype
-    if not cfg.quantization:
-        return m.param_count * c * whole
-    values, _ = quantize.quantized_sizes(m)
-    layer = m.embed * (2 * m.q_width + 2 * m.kv_width + 3 * m.mlp)
-    return ((m.param_count - values) * whole + max(layer, values - m.layers * layer)) * c
-
-
-def generate_scratch(items: dict[str, int]) -> int:
-    """What generate adds beside the pool: the prompt logits (loop state), the larger of a
-    prefill chunk and a decode step, which take turns in one loop iteration, and the weights
-    cast to the compute dtype that either holds."""
-    return items["prompt logits"] + max(items["prefill chunk scratch"], items["decode scratch"]) \
-        + items["engine weights cast"]
 
 
 def cpu_host_items(cfg: Config, cluster: Cluster, m: ModelShape) -> dict[str, int]:
@@ -494,13 +298,13 @@ def engine_lines(p: Plan) -> list[str]:
              "engine's weights" if e.pool_limited_by_budget else
              "every row at the caps (the most it can use)")
     lines = [
-        f"engine: {p.cfg.rollout_engine}, paged; per replica {e.requests} requests of "
-        f"{e.distinct_prompts} distinct prompts, {e.num_slots} rows, prefill {e.prefill_rows} "
+        f"engine: {p.cfg.rollout_engine}, paged; per replica {e.requests} requests in "
+        f"{e.distinct_prompts} prompt slots, {e.num_slots} rows, prefill {e.prefill_rows} "
         f"x {e.chunk} tokens per iteration",
         f"KV page pool: {e.pool_pages} pages of {e.page_size} tokens "
         f"({e.page_bytes / 2**20:.2f} MiB each per device), sized by {limit}",
-        f"a step at the caps needs {e.step_pages} pages: {e.distinct_prompts} prompts x "
-        f"{e.prompt_pages} shared + {min(e.num_slots, e.requests)} rows x {e.private_pages} "
+        f"a step at the caps needs {e.step_pages} pages: {e.distinct_prompts} prompt slots x "
+        f"{e.prompt_pages} + {min(e.num_slots, e.requests)} rows x {e.private_pages} "
         f"own ({e.distinct_prompts * e.prompt_pages * e.page_bytes / GIB:.2f} GiB of prompt "
         "pages)",
     ]

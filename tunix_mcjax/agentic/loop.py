@@ -184,6 +184,14 @@ def _cut(completion: Completion, max_new: int) -> Completion:
                                logprobs=completion.logprobs[:max_new], finish_reason="length")
 
 
+def kept_session_capacity(conversations: int, shared_prompts: int,
+                          max_concurrency: int) -> tuple[int, int]:
+    """(max_requests, max_prompts) of the session that keeps `conversations`' pages: a turn of
+    each at once, up to `max_concurrency`; a prompt slot a conversation, and one more a first
+    prompt its group shares (`shared_prompts`). The planner sizes the session so too."""
+    return min(conversations, max_concurrency), conversations + shared_prompts
+
+
 def _open_decoder(engine: Engine, sampling: SamplingParams,
                   conversations: Sequence[Conversation], limits: TurnLimits,
                   keep_pages: bool) -> Any:
@@ -192,11 +200,12 @@ def _open_decoder(engine: Engine, sampling: SamplingParams,
     if not keep_pages or not hasattr(engine, "session") or not conversations:
         return _Generate(engine)
     groups = equal_runs([c.context() for c in conversations], [None] * len(conversations))
-    try:  # a prompt slot a conversation, and one more a shared first prompt
+    max_requests, max_prompts = kept_session_capacity(
+        len(conversations), sum(g > 1 for g in groups), limits.max_concurrency)
+    try:
         session = engine.session(
             dataclasses.replace(sampling, max_new_tokens=limits.max_turn_tokens),
-            max_requests=min(len(conversations), limits.max_concurrency),
-            max_prompts=len(conversations) + sum(g > 1 for g in groups),
+            max_requests=max_requests, max_prompts=max_prompts,
             group_size=min(max(groups), limits.max_concurrency))
     except NotImplementedError:  # a lockstep / wave-batched loop
         return _Generate(engine)

@@ -22,7 +22,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from tunix_mcjax import plan
+from tunix_mcjax import engine_plan
 from tunix_mcjax.aot.programs import Program, loop_inputs, program_shape, sds
 from tunix_mcjax.aot.target import Target
 from tunix_mcjax.config import Config
@@ -101,8 +101,8 @@ def engine_loop(config: Any, cfg: Config, target: Target) -> tuple[Program, dict
     # One replica's loop for a full share at the caps, its pool as the engine sizes it; the
     # maxtext engine decodes every slot (no packed decode rows).
     one_page = model.page_bytes(cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE, tp)
-    shape = program_shape(cfg, plan.paged_shape_of(cfg, target.cluster(), one_page, weight_bytes),
-                          pack_decode_rows=False)
+    paged = engine_plan.paged_shape_of(cfg, target.cluster(), one_page, weight_bytes)
+    shape = program_shape(cfg, paged, pack_decode_rows=False)
     spec = SamplerSpec.of(sampling_params(cfg), engine_cfg.vocab_size)
     fn = build_program(model, shape, spec, None, engine_cfg.vocab_size)
     pool = pool_shapes(model, shape.num_pages, shape.page_size)

@@ -3,8 +3,8 @@
 - `train_step`: the trainer's own step (`Trainer.lower`), FSDP over every device of the slice,
   at the recipe's micro-batching and remat, with an `AbstractTrainer` holding shapes.
 - `engine_loop`: the jax engine's decode-loop program (`decode_loop.build_program`) for one
-  replica at the planner's shapes for a full share (`plan.paged_shape`), on the TPU page layout
-  (`CombinedPages`, JAX's Pallas `ragged_paged_attention`).
+  replica at the planner's shapes for a full share (`engine_plan.paged_shape`), on the TPU page
+  layout (`CombinedPages`, JAX's Pallas `ragged_paged_attention`).
 - `decode_step`: one decode step of that engine alone (every row at mid-completion), for XLA's
   cost analysis.
 - `publish`: the reshard to replicated that `publish.Publisher` runs, when the train step does
@@ -24,7 +24,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 from tunix.models.qwen3 import model as qwen3
 
-from tunix_mcjax import models, plan
+from tunix_mcjax import engine_plan, models, plan
 from tunix_mcjax.aot import PROGRAMS
 from tunix_mcjax.aot.target import Target
 from tunix_mcjax.config import Config
@@ -159,7 +159,7 @@ def pool_shapes(model: Qwen3PagedModel, num_pages: int, page_size: int):
     return jax.tree.map(lambda x: sds(x.shape, x.dtype, sharding), pool)
 
 
-def program_shape(cfg: Config, e: plan.PagedShape, pack_decode_rows: bool = True
+def program_shape(cfg: Config, e: engine_plan.PagedShape, pack_decode_rows: bool = True
                   ) -> ProgramShape:
     """The decode loop's shape for the planner's full share at the caps."""
     group = pow2_at_least(min(cfg.num_generations, e.requests))

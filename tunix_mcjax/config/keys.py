@@ -25,6 +25,20 @@ class Keys(*reversed(SECTIONS)):
         return self.agentic_max_turn_tokens or self.max_completion_length
 
     @property
+    def engine_prompt_length(self) -> int:
+        """The longest prompt our decode loop takes: the prompt budget, or with
+        use_agentic_rollout a turn's context (anything up to the whole budget but a token)."""
+        if self.use_agentic_rollout:
+            return self.max_target_length - 1
+        return self.max_prefill_predict_length
+
+    @property
+    def engine_new_tokens(self) -> int:
+        """Tokens our decode loop samples a request at most: the completion budget, or with
+        use_agentic_rollout one turn's."""
+        return self.agentic_turn_tokens if self.use_agentic_rollout else self.max_completion_length
+
+    @property
     def global_rows(self) -> int:
         return self.batch_size * self.num_generations
 

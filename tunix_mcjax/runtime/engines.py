@@ -8,15 +8,13 @@ from tunix_mcjax.engine.options import EngineOptions
 
 
 def engine_options(cfg: Config, pad_id: int, eos_ids: tuple[int, ...]) -> EngineOptions:
-    """The settings of an engine over our decode loop (jax, maxtext). Agentic runs decode turns:
-    a turn's context is anything up to the whole budget, and a turn is at most its cap. Pool
-    keys left at 0 keep the engine's defaults."""
-    agentic = cfg.use_agentic_rollout
+    """The settings of an engine over our decode loop (jax, maxtext): its caps are
+    `cfg.engine_prompt_length` and `cfg.engine_new_tokens` (an agentic run's turns). Pool keys
+    left at 0 keep the engine's defaults."""
     pool = {"page_size": cfg.vllm_block_size, "max_num_batched_tokens": cfg.max_num_batched_tokens}
     return EngineOptions(
         pad_id=pad_id, eos_ids=eos_ids,
-        max_prompt_length=cfg.max_target_length - 1 if agentic else cfg.max_prefill_predict_length,
-        max_new_tokens=cfg.agentic_turn_tokens if agentic else cfg.max_completion_length,
+        max_prompt_length=cfg.engine_prompt_length, max_new_tokens=cfg.engine_new_tokens,
         tensor_parallelism=cfg.rollout_tensor_parallelism,
         data_parallelism=cfg.rollout_data_parallelism,
         continuous_batching=cfg.rollout_continuous_batching,
