@@ -95,7 +95,8 @@ def test_tiny_model_programs_compile_for_tpu7x(tmp_path):
     result = json.loads((tmp_path / "aot.json").read_text())
     assert (result["device_kind"], result["hosts"], result["devices_per_host"]) == ("TPU7x", 1, 8)
     programs = {row["name"]: row for row in result["compiled"]}
-    assert {"engine decode loop", "train step", "engine decode step"} <= set(programs)
+    assert {"engine decode loop", "engine slice", "train step", "engine decode step"} <= set(
+        programs)
     for row in programs.values():
         assert row["compiled"] and row["temporaries"] > 0 and row["code"] > 0, row
         # XLA's argument bytes are the shards we passed (tiled padding aside).
@@ -104,9 +105,24 @@ def test_tiny_model_programs_compile_for_tpu7x(tmp_path):
         assert 0 < row["compile_cpu_s"] and row["load_1m"] >= 0, row
     loop = programs["engine decode loop"]
     assert loop["aliased"] > 0  # the donated page pool is updated in place
+    # A session's slice gives its whole donated state back in place: the pool and the rest.
+    assert programs["engine slice"]["aliased"] > loop["aliased"]
     assert loop["fits"] and programs["train step"]["fits"]
     cost = result["decode_cost"]
     assert cost["flops"] > 0 and cost["xla_bytes_accessed"] > 0 and cost["roofline_ms"] > 0
+
+
+@needs_libtpu
+def test_agentic_session_with_kept_pages_compiles_for_tpu7x_at_its_planned_slots(tmp_path):
+    """The tool demo's turn loop keeps pages on a session: its slice compiles at the planner's
+    turn shapes (a prompt slot a conversation and one a group's first prompt)."""
+    out = run(["-m", "tunix_mcjax.aot", "recipes/cpu/demo_agentic.yml", *TINY,
+               "agentic_keep_pages=true", "--topology", "tpu7x:2x2x1", "--programs", "slice",
+               "--json", str(tmp_path / "aot.json")])
+    assert out.returncode == 0, out.stdout + out.stderr[-3000:]
+    [row] = json.loads((tmp_path / "aot.json").read_text())["compiled"]
+    assert row["name"] == "engine slice" and row["compiled"] and row["fits"], row
+    assert row["aliased"] > 0, row
 
 
 @needs_libtpu

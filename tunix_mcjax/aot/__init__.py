@@ -5,8 +5,8 @@ every program of a step is built from shapes only (`aot.programs`) and compiled,
 memory and cost analyses are read beside the planner's figures (`aot.report`).
 """
 
-# The programs of a step (`aot.programs.step_programs`): the engine's decode loop, the train step,
-# publish's gather, and the engine's decode step alone.
-PROGRAMS = ("engine", "train", "publish", "decode")
+# The programs of a step (`aot.programs.step_programs`): the engine's decode loop, a session's
+# slice of it, the train step, publish's gather, and the engine's decode step alone.
+PROGRAMS = ("engine", "slice", "train", "publish", "decode")
 # Of a MaxText RL script (`aot.maxtext_script.run`): the maxtext engine's loop, the train step.
 MAXTEXT_PROGRAMS = ("engine", "train")

@@ -1,7 +1,7 @@
 """Compile every program of a step for a TPU slice, on any host: XLA's memory verdict.
 
     python -m tunix_mcjax.aot RECIPE [key=value ...] --topology NAME [--json PATH]
-                              [--programs engine,train,publish,decode]
+                              [--programs engine,slice,train,publish,decode]
 
 RECIPE is a YAML recipe or a benchmark profile's name (`bench.profiles`, e.g. gsm8k), or one
 of MaxText's RL scripts (`maxtext.recipes.UPSTREAM`: its maxtext engine's loop and MaxText's

@@ -5,6 +5,9 @@
 - `engine_loop`: the jax engine's decode-loop program (`decode_loop.build_program`) for one
   replica at the planner's shapes for a full share (`engine_plan.paged_shape`), on the TPU page
   layout (`CombinedPages`, JAX's Pallas `ragged_paged_attention`).
+- `engine_slice`: the same loop as a session runs it (`engine.session`: streamed rewards,
+  in-flight weight updates, kept agentic pages), a slice over a state kept on the devices
+  (`decode_loop.build_advance`).
 - `decode_step`: one decode step of that engine alone (every row at mid-completion), for XLA's
   cost analysis.
 - `publish`: the reshard to replicated that `publish.Publisher` runs, when the train step does
@@ -30,7 +33,7 @@ from tunix_mcjax.aot.target import Target
 from tunix_mcjax.config import Config
 from tunix_mcjax.engine import jax_engine, pages, quantize
 from tunix_mcjax.engine.buckets import pow2_at_least
-from tunix_mcjax.engine.decode_loop import build_program
+from tunix_mcjax.engine.decode_loop import build_advance, build_program, initial_state
 from tunix_mcjax.engine.jax_engine import MAX_STOP_IDS
 from tunix_mcjax.engine.layer_stack import LAYERS, layer_of
 from tunix_mcjax.engine.loop_state import Inputs, ProgramShape
@@ -194,6 +197,35 @@ def engine_loop(cfg: Config, target: Target, mc_train, p: plan.Plan, resident) -
     return Program("engine decode loop", "generate", lowered, (params, pool, inputs), resident)
 
 
+def engine_slice(cfg: Config, target: Target, mc_train, p: plan.Plan, resident) -> Program:
+    """A session's slice (`SessionPrograms.advance`) at the planner's shapes: the loop state
+    (its page pool as the pool is sharded, the rest replicated, as the session's start program
+    leaves it) donated and given back in place."""
+    model, params = engine_model(cfg, target, mc_train)
+    shape = program_shape(cfg, p.engine)
+    spec = SamplerSpec.of(sampling_params(cfg), model.cfg.vocab_size)
+    replicated = NamedSharding(model.mesh, P())
+    pool = pool_shapes(model, shape.num_pages, shape.page_size)
+    inputs = loop_inputs(shape, replicated)
+    abstract = jax.eval_shape(lambda pool, inp: initial_state(shape, inp, pool,
+                                                              model.cfg.vocab_size), pool, inputs)
+    state = dataclasses.replace(
+        jax.tree.map(lambda x: sds(x.shape, x.dtype, replicated), abstract), pool=pool)
+    advance = build_advance(model, shape, spec, None)
+
+    def run(params, state, inp, max_iterations, groups):
+        state, outputs = advance(params, state, inp, max_iterations, groups)
+        return state, outputs, state.requests.done
+
+    args = (params, state, inputs, sds((), jnp.int32, replicated),
+            sds((shape.num_requests,), jnp.int32, replicated))
+    out_state = jax.tree.map(lambda x: x.sharding, state)
+    with jax.sharding.use_abstract_mesh(model.mesh.abstract_mesh):
+        lowered = jax.jit(run, donate_argnums=1, out_shardings=(out_state, None, None)).lower(
+            *args)
+    return Program("engine slice", "generate", lowered, args, resident)
+
+
 def decode_rows(shape: ProgramShape, context: int, sharding) -> PagedRows:
     """One decode step's rows: every slot live, `context` tokens long after it."""
     b, i32 = shape.num_slots, jnp.int32
@@ -261,9 +293,11 @@ def step_programs(cfg: Config, target: Target, mc, p: plan.Plan,
         p.engine.page_size)
     train.resident = (weights, kept_pool)
     programs, kv = [], {}
+    state = (trainer.params, trainer.opt_state, trainer.ref_params)
     if "engine" in which:
-        state = (trainer.params, trainer.opt_state, trainer.ref_params)
         programs.append(engine_loop(cfg, target, mc, p, state))
+    if "slice" in which:
+        programs.append(engine_slice(cfg, target, mc, p, state))
     if "train" in which:
         programs.append(train)
     gather = publish(cfg, trainer, (trainer.opt_state, trainer.ref_params, weights, kept_pool)) \
