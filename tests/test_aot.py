@@ -152,12 +152,13 @@ TINY_MAXTEXT = ["override_model_config=true", "base_emb_dim=256", "base_num_quer
 @pytest.mark.parametrize("tp", [1, 2])
 def test_maxtext_scripts_engine_compiles_for_tpu7x(tmp_path, tp):
     """`python -m tunix_mcjax.aot run_qwen3_30b_rl ...`: the script's keys, shrunk; the maxtext
-    engine's loop on CombinedPages (JAX's Pallas kernel, through Mosaic) for a TPU7x host, on
-    one device a replica and on two (the kernel inside a shard_map over the kv heads)."""
+    engine's loop and its session's slice on CombinedPages (JAX's Pallas kernel, through Mosaic)
+    for a TPU7x host, on one device a replica and on two (the kernel inside a shard_map over
+    the kv heads)."""
     keys = [k for k in TINY_MAXTEXT if not k.startswith("rollout_")]
     out = run(["-m", "tunix_mcjax.aot", "run_qwen3_30b_rl", *keys,
                f"rollout_data_parallelism={8 // tp}", f"rollout_tensor_parallelism={tp}",
-               "--topology", "tpu7x:2x2x1", "--programs", "engine", "--json",
+               "--topology", "tpu7x:2x2x1", "--programs", "engine,slice", "--json",
                str(tmp_path / "aot.json")])
     assert out.returncode == 0, out.stdout + out.stderr[-3000:]
     result = json.loads((tmp_path / "aot.json").read_text())
@@ -165,10 +166,14 @@ def test_maxtext_scripts_engine_compiles_for_tpu7x(tmp_path, tp):
     facts = result["engine"]
     assert facts["page_layouts"] == ["CombinedPages"] and facts["tensor_parallelism"] == tp
     assert facts["max_new"] == 1024 - 256 and facts["layers"] == 2
-    [row] = result["compiled"]
-    assert row["compiled"] and row["fits"] and row["aliased"] > 0, row
-    assert abs(row["arguments"] / row["argument_shapes_bytes"] - 1) < 0.25, row
-    assert 0 < row["peak"] < TPU7X_DEVICE_BYTES and row["compile_cpu_s"] > 0
+    loop, slice_ = result["compiled"]
+    assert (loop["name"], slice_["name"]) == ("maxtext engine decode loop",
+                                              "maxtext engine slice")
+    for row in (loop, slice_):
+        assert row["compiled"] and row["fits"] and row["aliased"] > 0, row
+        assert abs(row["arguments"] / row["argument_shapes_bytes"] - 1) < 0.25, row
+        assert 0 < row["peak"] < TPU7X_DEVICE_BYTES and row["compile_cpu_s"] > 0
+    assert slice_["aliased"] > loop["aliased"]  # the whole loop state, in place
 
 
 # The same script shrunk further for its train step: 16 sequences (8 prompts x 2) of 256 tokens,

@@ -8,5 +8,6 @@ memory and cost analyses are read beside the planner's figures (`aot.report`).
 # The programs of a step (`aot.programs.step_programs`): the engine's decode loop, a session's
 # slice of it, the train step, publish's gather, and the engine's decode step alone.
 PROGRAMS = ("engine", "slice", "train", "publish", "decode")
-# Of a MaxText RL script (`aot.maxtext_script.run`): the maxtext engine's loop, the train step.
-MAXTEXT_PROGRAMS = ("engine", "train")
+# Of a MaxText RL script (`aot.maxtext_script.run`): the maxtext engine's loop, its session's
+# slice, the train step.
+MAXTEXT_PROGRAMS = ("engine", "slice", "train")

@@ -4,13 +4,14 @@
                               [--programs engine,slice,train,publish,decode]
 
 RECIPE is a YAML recipe or a benchmark profile's name (`bench.profiles`, e.g. gsm8k), or one
-of MaxText's RL scripts (`maxtext.recipes.UPSTREAM`: its maxtext engine's loop and MaxText's
-train step under our trainer, `--programs engine,train`; `aot.maxtext_script`). NAME is
-libtpu's topology name (v5e:2x2, v6e:2x2, v5p:2x2x1, tpu7x:2x2x1 .. tpu7x:4x4x4). Needs
-libtpu (`make setup-tpu-compiler`). Prints, per program, the compile seconds and XLA's memory
-analysis per device, the phase's peak beside the planner's (where it has one), and whether it
-fits the device's HBM; and the decode step's cost against the HBM roofline. Exits 1 naming the
-keys to change when a phase does not fit, 2 on a config error, 3 without libtpu.
+of MaxText's RL scripts (`maxtext.recipes.UPSTREAM`: its maxtext engine's loop and slice, and
+MaxText's train step under our trainer, `--programs engine,slice,train`;
+`aot.maxtext_script`). NAME is libtpu's topology name (v5e:2x2, v6e:2x2, v5p:2x2x1,
+tpu7x:2x2x1 .. tpu7x:4x4x4). Needs libtpu (`make setup-tpu-compiler`). Prints, per program,
+the compile seconds and XLA's memory analysis per device, the phase's peak beside the
+planner's (where it has one), and whether it fits the device's HBM; and the decode step's
+cost against the HBM roofline. Exits 1 naming the keys to change when a phase does not fit,
+2 on a config error, 3 without libtpu.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The maxtext engine's decode-loop program for a TPU slice, from shapes only, at a MaxText RL
-script's keys (`python -m tunix_mcjax.aot run_gptoss_20b_rl --topology v5p:2x4x4`).
+"""The maxtext engine's decode-loop program, and a session's slice of it, for a TPU slice from
+shapes only, at a MaxText RL script's keys (`python -m tunix_mcjax.aot run_gptoss_20b_rl
+--topology v5p:2x4x4`).
 
 The script's command is read from the installed script (`maxtext.recipes.script_command`) and
 checked as a run checks it (`maxtext.checked_config`); `key=value` overrides follow it. The
@@ -23,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tunix_mcjax import engine_plan
-from tunix_mcjax.aot.programs import Program, loop_inputs, program_shape, sds
+from tunix_mcjax.aot.programs import Program, loop_inputs, lower_slice, program_shape, sds
 from tunix_mcjax.aot.target import Target
 from tunix_mcjax.config import Config
 from tunix_mcjax.engine import pages
@@ -91,24 +92,20 @@ def pool_shapes(model: MaxTextPagedModel, num_pages: int, page_size: int) -> lis
             for layer, sharding in zip(made, shardings, strict=True)]
 
 
-def engine_loop(config: Any, cfg: Config, target: Target) -> tuple[Program, dict]:
-    """The maxtext engine's decode loop for one replica, and what it was built at."""
+def _engine(config: Any, cfg: Config, target: Target) -> tuple[Any, ...]:
+    """One replica's maxtext engine for a full share at the caps, its pool as the engine sizes
+    it (every slot decoded: no packed decode rows): (model, params, shape, sampler, pool,
+    what it was built at)."""
     tp = cfg.rollout_tensor_parallelism
     engine_cfg = engine_config(config, cfg)
     mesh = local_mesh(engine_cfg, np.array(target.devices[:tp]))
     params, weight_bytes = engine_params(engine_cfg, mesh)
     model = MaxTextPagedModel(engine_cfg, mesh, CombinedPages(mesh, TENSOR_AXIS))
-    # One replica's loop for a full share at the caps, its pool as the engine sizes it; the
-    # maxtext engine decodes every slot (no packed decode rows).
     one_page = model.page_bytes(cfg.vllm_block_size or pages.DEFAULT_PAGE_SIZE, tp)
     paged = engine_plan.paged_shape_of(cfg, target.cluster(), one_page, weight_bytes)
     shape = program_shape(cfg, paged, pack_decode_rows=False)
     spec = SamplerSpec.of(sampling_params(cfg), engine_cfg.vocab_size)
-    fn = build_program(model, shape, spec, None, engine_cfg.vocab_size)
     pool = pool_shapes(model, shape.num_pages, shape.page_size)
-    inputs = loop_inputs(shape, NamedSharding(mesh, P()))
-    with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-        lowered = jax.jit(fn, donate_argnums=1).lower(params, pool, inputs)
     layouts = sorted({type(layout).__name__ for layout in model.layouts.values()})
     facts = {"weight_bytes_per_device": weight_bytes, "num_pages": shape.num_pages,
              "num_slots": shape.num_slots, "num_requests": shape.num_requests,
@@ -116,5 +113,23 @@ def engine_loop(config: Any, cfg: Config, target: Target) -> tuple[Program, dict
              "page_size": shape.page_size, "tensor_parallelism": tp, "page_layouts": layouts,
              "layers": engine_cfg.num_decoder_layers, "scanned_layers": model.scan.scanned,
              "dtype": str(jnp.dtype(model.dtype))}
+    return model, params, shape, spec, pool, facts
+
+
+def engine_loop(config: Any, cfg: Config, target: Target) -> tuple[Program, dict]:
+    """The maxtext engine's decode loop for one replica, and what it was built at."""
+    model, params, shape, spec, pool, facts = _engine(config, cfg, target)
+    vocab = model.config.vocab_size
+    fn = build_program(model, shape, spec, None, vocab)
+    inputs = loop_inputs(shape, NamedSharding(model.mesh, P()))
+    with jax.sharding.use_abstract_mesh(model.mesh.abstract_mesh):
+        lowered = jax.jit(fn, donate_argnums=1).lower(params, pool, inputs)
     return Program("maxtext engine decode loop", "generate", lowered,
                    (params, pool, inputs), None), facts
+
+
+def engine_slice(config: Any, cfg: Config, target: Target) -> Program:
+    """The maxtext engine's session slice for one replica (`programs.lower_slice`)."""
+    model, params, shape, spec, pool, _ = _engine(config, cfg, target)
+    lowered, args = lower_slice(model, shape, spec, params, pool, model.config.vocab_size)
+    return Program("maxtext engine slice", "generate", lowered, args, None)

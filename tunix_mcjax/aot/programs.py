@@ -197,18 +197,15 @@ def engine_loop(cfg: Config, target: Target, mc_train, p: plan.Plan, resident) -
     return Program("engine decode loop", "generate", lowered, (params, pool, inputs), resident)
 
 
-def engine_slice(cfg: Config, target: Target, mc_train, p: plan.Plan, resident) -> Program:
-    """A session's slice (`SessionPrograms.advance`) at the planner's shapes: the loop state
-    (its page pool as the pool is sharded, the rest replicated, as the session's start program
-    leaves it) donated and given back in place."""
-    model, params = engine_model(cfg, target, mc_train)
-    shape = program_shape(cfg, p.engine)
-    spec = SamplerSpec.of(sampling_params(cfg), model.cfg.vocab_size)
+def lower_slice(model: Any, shape: ProgramShape, spec: SamplerSpec, params: Any, pool: Any,
+                vocab: int) -> tuple[Any, tuple]:
+    """A session's slice (`SessionPrograms.advance`) of `model`'s loop, lowered, and its
+    arguments: the loop state (its page pool as the pool is sharded, the rest replicated, as
+    the session's start program leaves it) donated and given back in place."""
     replicated = NamedSharding(model.mesh, P())
-    pool = pool_shapes(model, shape.num_pages, shape.page_size)
     inputs = loop_inputs(shape, replicated)
-    abstract = jax.eval_shape(lambda pool, inp: initial_state(shape, inp, pool,
-                                                              model.cfg.vocab_size), pool, inputs)
+    abstract = jax.eval_shape(lambda pool, inp: initial_state(shape, inp, pool, vocab), pool,
+                              inputs)
     state = dataclasses.replace(
         jax.tree.map(lambda x: sds(x.shape, x.dtype, replicated), abstract), pool=pool)
     advance = build_advance(model, shape, spec, None)
@@ -223,6 +220,16 @@ def engine_slice(cfg: Config, target: Target, mc_train, p: plan.Plan, resident) 
     with jax.sharding.use_abstract_mesh(model.mesh.abstract_mesh):
         lowered = jax.jit(run, donate_argnums=1, out_shardings=(out_state, None, None)).lower(
             *args)
+    return lowered, args
+
+
+def engine_slice(cfg: Config, target: Target, mc_train, p: plan.Plan, resident) -> Program:
+    """The jax engine's session slice at the planner's shapes (`lower_slice`)."""
+    model, params = engine_model(cfg, target, mc_train)
+    shape = program_shape(cfg, p.engine)
+    spec = SamplerSpec.of(sampling_params(cfg), model.cfg.vocab_size)
+    pool = pool_shapes(model, shape.num_pages, shape.page_size)
+    lowered, args = lower_slice(model, shape, spec, params, pool, model.cfg.vocab_size)
     return Program("engine slice", "generate", lowered, args, resident)
 
 
