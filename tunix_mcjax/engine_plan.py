@@ -44,7 +44,7 @@ class PagedShape:
     requests: int  # requests of the replica's share (of one wave without continuous batching)
     distinct_prompts: int  # prompt slots: distinct prompts among them (`replica_share`)
     num_requests: int  # N: requests, padded to a power of two
-    num_prompts: int  # U: distinct prompts, padded to a power of two
+    num_prompts: int  # U: prompt slots, padded to a power of two
     num_slots: int  # B: rows decoded at once
     prompt_len: int  # the prompt bucket at the cap
     max_new: int
