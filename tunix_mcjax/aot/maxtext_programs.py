@@ -24,11 +24,10 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from tunix_mcjax import engine_plan
-from tunix_mcjax.aot.programs import Program, loop_inputs, lower_slice, program_shape, sds
+from tunix_mcjax.aot.programs import Program, lower_loop, lower_slice, program_shape, sds
 from tunix_mcjax.aot.target import Target
 from tunix_mcjax.config import Config
 from tunix_mcjax.engine import pages
-from tunix_mcjax.engine.decode_loop import build_program
 from tunix_mcjax.engine.maxtext_model import (
     TENSOR_AXIS,
     MaxTextPagedModel,
@@ -119,13 +118,8 @@ def _engine(config: Any, cfg: Config, target: Target) -> tuple[Any, ...]:
 def engine_loop(config: Any, cfg: Config, target: Target) -> tuple[Program, dict]:
     """The maxtext engine's decode loop for one replica, and what it was built at."""
     model, params, shape, spec, pool, facts = _engine(config, cfg, target)
-    vocab = model.config.vocab_size
-    fn = build_program(model, shape, spec, None, vocab)
-    inputs = loop_inputs(shape, NamedSharding(model.mesh, P()))
-    with jax.sharding.use_abstract_mesh(model.mesh.abstract_mesh):
-        lowered = jax.jit(fn, donate_argnums=1).lower(params, pool, inputs)
-    return Program("maxtext engine decode loop", "generate", lowered,
-                   (params, pool, inputs), None), facts
+    lowered, args = lower_loop(model, shape, spec, params, pool, model.config.vocab_size)
+    return Program("maxtext engine decode loop", "generate", lowered, args, None), facts
 
 
 def engine_slice(config: Any, cfg: Config, target: Target) -> Program:

@@ -185,16 +185,31 @@ def loop_inputs(shape: ProgramShape, sharding) -> Inputs:
         stop_ids=sds((MAX_STOP_IDS,), i32, sharding), max_new_tokens=sds((), i32, sharding))
 
 
-def engine_loop(cfg: Config, target: Target, mc_train, p: plan.Plan, resident) -> Program:
+def engine_at_caps(cfg: Config, target: Target, mc_train, p: plan.Plan
+                   ) -> tuple[Qwen3PagedModel, Any, ProgramShape, SamplerSpec]:
+    """The jax engine's TPU model of one replica, its param shapes, and its program's shape and
+    sampler at the planner's full share."""
     model, params = engine_model(cfg, target, mc_train)
-    shape = program_shape(cfg, p.engine)
     spec = SamplerSpec.of(sampling_params(cfg), model.cfg.vocab_size)
-    fn = build_program(model, shape, spec, None, model.cfg.vocab_size)
-    pool = pool_shapes(model, shape.num_pages, shape.page_size)
-    inputs = loop_inputs(shape, NamedSharding(model.mesh, P()))
+    return model, params, program_shape(cfg, p.engine), spec
+
+
+def lower_loop(model: Any, shape: ProgramShape, spec: SamplerSpec, params: Any, pool: Any,
+               vocab: int) -> tuple[Any, tuple]:
+    """`model`'s whole decode loop (`decode_loop.build_program`), lowered, and its arguments;
+    the page pool donated and updated in place."""
+    fn = build_program(model, shape, spec, None, vocab)
+    args = (params, pool, loop_inputs(shape, NamedSharding(model.mesh, P())))
     with jax.sharding.use_abstract_mesh(model.mesh.abstract_mesh):
-        lowered = jax.jit(fn, donate_argnums=1).lower(params, pool, inputs)
-    return Program("engine decode loop", "generate", lowered, (params, pool, inputs), resident)
+        lowered = jax.jit(fn, donate_argnums=1).lower(*args)
+    return lowered, args
+
+
+def engine_loop(cfg: Config, target: Target, mc_train, p: plan.Plan, resident) -> Program:
+    model, params, shape, spec = engine_at_caps(cfg, target, mc_train, p)
+    pool = pool_shapes(model, shape.num_pages, shape.page_size)
+    lowered, args = lower_loop(model, shape, spec, params, pool, model.cfg.vocab_size)
+    return Program("engine decode loop", "generate", lowered, args, resident)
 
 
 def lower_slice(model: Any, shape: ProgramShape, spec: SamplerSpec, params: Any, pool: Any,
@@ -225,9 +240,7 @@ def lower_slice(model: Any, shape: ProgramShape, spec: SamplerSpec, params: Any,
 
 def engine_slice(cfg: Config, target: Target, mc_train, p: plan.Plan, resident) -> Program:
     """The jax engine's session slice at the planner's shapes (`lower_slice`)."""
-    model, params = engine_model(cfg, target, mc_train)
-    shape = program_shape(cfg, p.engine)
-    spec = SamplerSpec.of(sampling_params(cfg), model.cfg.vocab_size)
+    model, params, shape, spec = engine_at_caps(cfg, target, mc_train, p)
     pool = pool_shapes(model, shape.num_pages, shape.page_size)
     lowered, args = lower_slice(model, shape, spec, params, pool, model.cfg.vocab_size)
     return Program("engine slice", "generate", lowered, args, resident)
@@ -247,9 +260,7 @@ def decode_step(cfg: Config, target: Target, mc_train, p: plan.Plan) -> tuple[Pr
     """The engine's decode step alone (model and sampler over every slot), and the KV bytes
     its attention kernel reads per device with every row at mid-completion (XLA's cost
     analysis does not see inside the kernel)."""
-    model, params = engine_model(cfg, target, mc_train)
-    shape = program_shape(cfg, p.engine)
-    spec = SamplerSpec.of(sampling_params(cfg), model.cfg.vocab_size)
+    model, params, shape, spec = engine_at_caps(cfg, target, mc_train, p)
     replicated = NamedSharding(model.mesh, P())
 
     def step(params, pool, rows, keys, temperature, top_p):

@@ -55,13 +55,10 @@ def resampled_medians(launches: list[np.ndarray], block: int, resamples: int,
     then circular blocks of `block` steps in each drawn launch (one launch and blocks of one:
     steps drawn independently). Each resample draws in the same order it always has, so a seed
     gives the committed results' intervals; the medians are taken in one pass after."""
-    if len(launches) == 1 and block == 1:
-        x = launches[0]
-        idx = rng.integers(0, x.size, size=(resamples, x.size))
-        return np.median(x[idx], axis=1)
     if len(launches) == 1:
         # Drawing the one launch takes no random bits, and one call of shape (resamples, m)
-        # draws what `resamples` calls of m would (tests/test_bench_stats.py checks both).
+        # draws what `resamples` calls of m would (tests/test_bench_stats.py checks both); with
+        # blocks of one these are the steps themselves.
         x = launches[0]
         starts = rng.integers(0, x.size, size=(resamples, -(-x.size // block)))
         idx = (starts[:, :, None] + np.arange(block)) % x.size
